@@ -1,0 +1,245 @@
+/*
+ * _core.c -- CPython / NumPy glue: registers the kernels of gdn_kernels.c as generalized ufuncs.
+ *
+ * Kept apart from the kernels so that they stay plain C. Here: byte strides become element strides,
+ * per-thread workspace is allocated (with PyMem_RawMalloc, so tracemalloc sees it) before the parallel
+ * region and errors are raised after it, on the calling thread. NumPy releases the GIL around these
+ * loops because no operand is an object array.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+/* NPY_TARGET_VERSION: keep in sync with the numpy floor in pyproject.toml's dependencies. */
+#define NPY_TARGET_VERSION NPY_1_25_API_VERSION
+#define NPY_NO_DEPRECATED_API NPY_1_25_API_VERSION
+#include <numpy/arrayobject.h>
+#include <numpy/ufuncobject.h>
+#include "gdn.h"
+
+#if defined(_MSC_VER)
+#define GDN_THREAD_LOCAL __declspec(thread)
+#else
+#define GDN_THREAD_LOCAL _Thread_local
+#endif
+
+/* Threads for the next gufunc call made from this OS thread (0: OpenMP's default). Set by the Python
+ * layer around one call, so that a per-call num_threads reaches the pragma's num_threads() clause
+ * without touching omp_set_num_threads (which would override threadpoolctl / OMP_NUM_THREADS). */
+static GDN_THREAD_LOCAL int call_threads = 0;
+
+static void raise_from_loop(PyObject *type, const char *msg)
+{
+    NPY_ALLOW_C_API_DEF
+    NPY_ALLOW_C_API;
+    if (!PyErr_Occurred()) PyErr_SetString(type, msg);
+    NPY_DISABLE_C_API;
+}
+
+/* Byte stride -> element stride; 0 on success. */
+static int elem_strides(ptrdiff_t *out, const npy_intp *steps, int count, size_t itemsize)
+{
+    for (int i = 0; i < count; i++) {
+        if (steps[i] % (npy_intp)itemsize != 0) return -1;
+        out[i] = (ptrdiff_t)(steps[i] / (npy_intp)itemsize);
+    }
+    return 0;
+}
+
+/* Workspace for nt threads; NULL (with MemoryError set) on failure. */
+static void *alloc_workspace(int nt, size_t len, size_t itemsize)
+{
+    size_t total = (size_t)nt * len * itemsize;
+    void *ws = PyMem_RawMalloc(total ? total : 1);
+    if (ws == NULL) raise_from_loop(PyExc_MemoryError, "gdn_ext: cannot allocate the kernel workspace");
+    return ws;
+}
+
+/*
+ * Forward loop. Signature (t,k),(t,k),(t,v),(t),(t),(v,k),()->(t,v),(v,k)
+ *   args:       q, k, v, alpha, beta, S_0, scale, o, S_T
+ *   dimensions: [N, T, Dk, Dv]
+ *   steps:      [9 outer strides, one per operand] then the core strides
+ *               q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) o(t,v) S_T(v,k)  -- 14 in all
+ */
+#define DEFINE_FWD_LOOP(SUF, REAL)                                                              \
+static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
+{                                                                                               \
+    (void)data;                                                                                 \
+    const ptrdiff_t N = dims[0], T = dims[1], Dk = dims[2], Dv = dims[3];                       \
+    ptrdiff_t e[23];                                                                            \
+    if (elem_strides(e, steps, 23, sizeof(REAL)) < 0) {                                         \
+        raise_from_loop(PyExc_ValueError, "gdn_ext: operand strides must be multiples of the item size"); \
+        return;                                                                                 \
+    }                                                                                           \
+    const gdn_fwd_strides st = {                                                                \
+        e[0], e[9], e[10],  e[1], e[11], e[12],  e[2], e[13], e[14],                            \
+        e[3], e[15],  e[4], e[16],  e[5], e[17], e[18],  e[6],                                  \
+        e[7], e[19], e[20],  e[8], e[21], e[22]};                                               \
+    const int nt = gdn_threads_for(N, call_threads);                                            \
+    REAL *ws = alloc_workspace(nt, gdn_fwd_workspace_len(T, Dk, Dv), sizeof(REAL));             \
+    if (ws == NULL) return;                                                                     \
+    gdn_forward_##SUF((REAL *)args[7], (REAL *)args[8],                                         \
+                      (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],      \
+                      (const REAL *)args[3], (const REAL *)args[4], (const REAL *)args[5],      \
+                      (const REAL *)args[6], &st, N, T, Dk, Dv, nt, ws);                        \
+    PyMem_RawFree(ws);                                                                          \
+}
+
+/*
+ * Backward loop. Signature (t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k)
+ *   args:       do, q, k, v, alpha, beta, S_0, dS_T, scale, dq, dk, dv, dalpha, dbeta, dS_0
+ *   dimensions: [N, T, Dv, Dk]   (core dimensions in order of first appearance: t, v, k)
+ *   steps:      [15 outer strides] then the core strides
+ *               do(t,v) q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) dS_T(v,k)
+ *               dq(t,k) dk(t,k) dv(t,v) dalpha(t) dbeta(t) dS_0(v,k)  -- 24 in all
+ */
+#define DEFINE_BWD_LOOP(SUF, REAL)                                                              \
+static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
+{                                                                                               \
+    (void)data;                                                                                 \
+    const ptrdiff_t N = dims[0], T = dims[1], Dv = dims[2], Dk = dims[3];                       \
+    ptrdiff_t e[39];                                                                            \
+    if (elem_strides(e, steps, 39, sizeof(REAL)) < 0) {                                         \
+        raise_from_loop(PyExc_ValueError, "gdn_ext: operand strides must be multiples of the item size"); \
+        return;                                                                                 \
+    }                                                                                           \
+    const gdn_bwd_strides st = {                                                                \
+        e[0], e[15], e[16],  e[1], e[17], e[18],  e[2], e[19], e[20],  e[3], e[21], e[22],      \
+        e[4], e[23],  e[5], e[24],  e[6], e[25], e[26],  e[7], e[27], e[28],  e[8],             \
+        e[9], e[29], e[30],  e[10], e[31], e[32],  e[11], e[33], e[34],                         \
+        e[12], e[35],  e[13], e[36],  e[14], e[37], e[38]};                                     \
+    const int nt = gdn_threads_for(N, call_threads);                                            \
+    REAL *ws = alloc_workspace(nt, gdn_bwd_workspace_len(T, Dk, Dv), sizeof(REAL));             \
+    if (ws == NULL) return;                                                                     \
+    gdn_backward_##SUF((REAL *)args[9], (REAL *)args[10], (REAL *)args[11], (REAL *)args[12],   \
+                       (REAL *)args[13], (REAL *)args[14],                                      \
+                       (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],     \
+                       (const REAL *)args[3], (const REAL *)args[4], (const REAL *)args[5],     \
+                       (const REAL *)args[6], (const REAL *)args[7], (const REAL *)args[8],     \
+                       &st, N, T, Dk, Dv, nt, ws);                                              \
+    PyMem_RawFree(ws);                                                                          \
+}
+
+DEFINE_FWD_LOOP(f32, float)
+DEFINE_FWD_LOOP(f64, double)
+DEFINE_BWD_LOOP(f32, float)
+DEFINE_BWD_LOOP(f64, double)
+
+/* The gufunc table: one entry per operation, float32 then float64 loops (NumPy picks the first loop
+ * its casting rules allow, so float16 and small ints run in float32, other ints in float64). */
+static PyUFuncGenericFunction fwd_funcs[] = {fwd_loop_f32, fwd_loop_f64};
+static PyUFuncGenericFunction bwd_funcs[] = {bwd_loop_f32, bwd_loop_f64};
+static void *no_data[] = {NULL, NULL};
+static const char fwd_types[] = {
+    NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT,
+    NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE,
+    NPY_DOUBLE};
+static const char bwd_types[] = {
+#define F NPY_FLOAT
+    F, F, F, F, F, F, F, F, F, F, F, F, F, F, F,
+#undef F
+#define D NPY_DOUBLE
+    D, D, D, D, D, D, D, D, D, D, D, D, D, D, D,
+#undef D
+};
+
+typedef struct {
+    const char *name;
+    PyUFuncGenericFunction *funcs;
+    const char *types;
+    int nin, nout;
+    const char *signature;
+    const char *doc;
+} gufunc_descriptor;
+
+static const gufunc_descriptor gufuncs[] = {
+    {"gated_delta_rule_fwd", fwd_funcs, fwd_types, 7, 2,
+     "(t,k),(t,k),(t,v),(t),(t),(v,k),()->(t,v),(v,k)",
+     "gated_delta_rule_fwd(q, k, v, alpha, beta, S_0, scale, /, out=None, **kwargs) -> (o, S_T)\n\n"
+     "Gated delta rule forward, one (sequence, head) per loop element.\n"
+     "Signature (t,k),(t,k),(t,v),(t),(t),(v,k),()->(t,v),(v,k); float32 and float64 loops.\n"
+     "S_t = alpha_t S_{t-1} + beta_t (v_t - alpha_t S_{t-1} k_t) k_t^T;  o_t = scale S_t q_t.\n"
+     "Yang, Kautz, Hatamizadeh, Gated Delta Networks, ICLR 2025. See gdn_ext.ufuncs."},
+    {"gated_delta_rule_bwd", bwd_funcs, bwd_types, 9, 6,
+     "(t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k)",
+     "gated_delta_rule_bwd(do, q, k, v, alpha, beta, S_0, dS_T, scale, /, out=None, **kwargs)\n"
+     "    -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
+     "Backward over time of gated_delta_rule_fwd, with states recomputed from checkpoints.\n"
+     "Signature (t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k).\n"
+     "See gdn_ext.ufuncs."},
+};
+
+static PyObject *py_openmp_enabled(PyObject *self, PyObject *noargs)
+{
+    return PyBool_FromLong(gdn_openmp_enabled());
+}
+
+static PyObject *py_set_call_threads(PyObject *self, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || n > 1 << 20) {
+        PyErr_SetString(PyExc_ValueError, "num_threads must be >= 0");
+        return NULL;
+    }
+    int prev = call_threads;
+    call_threads = (int)n;
+    return PyLong_FromLong(prev);
+}
+
+static PyObject *py_threads_for(PyObject *self, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromLong(gdn_threads_for(n, call_threads));
+}
+
+static PyObject *py_checkpoint_interval(PyObject *self, PyObject *arg)
+{
+    Py_ssize_t T = PyLong_AsSsize_t(arg);
+    if (T == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromSsize_t(gdn_checkpoint_interval(T));
+}
+
+static PyObject *py_bwd_workspace_len(PyObject *self, PyObject *args)
+{
+    Py_ssize_t T, Dk, Dv;
+    if (!PyArg_ParseTuple(args, "nnn", &T, &Dk, &Dv)) return NULL;
+    return PyLong_FromSize_t(gdn_bwd_workspace_len(T, Dk, Dv));
+}
+
+static PyMethodDef methods[] = {
+    {"openmp_enabled", py_openmp_enabled, METH_NOARGS,
+     "openmp_enabled() -> bool: whether this build runs the (sequence, head) loop with OpenMP."},
+    {"_set_call_threads", py_set_call_threads, METH_O,
+     "_set_call_threads(n) -> previous: threads for gufunc calls from this OS thread (0: default)."},
+    {"_threads_for", py_threads_for, METH_O,
+     "_threads_for(N) -> threads a call over N (sequence, head) pairs would use now."},
+    {"checkpoint_interval", py_checkpoint_interval, METH_O,
+     "checkpoint_interval(T) -> C: the backward keeps the state every C = ceil(sqrt(T)) steps."},
+    {"bwd_workspace_len", py_bwd_workspace_len, METH_VARARGS,
+     "bwd_workspace_len(T, Dk, Dv) -> elements of backward workspace per thread."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "gdn_ext._core",
+    "C kernels of gdn_ext: the gated delta rule as NumPy generalized ufuncs.", -1, methods};
+
+PyMODINIT_FUNC PyInit__core(void)
+{
+    import_array();
+    import_umath();
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL) return NULL;
+    for (size_t i = 0; i < sizeof(gufuncs) / sizeof(gufuncs[0]); i++) {
+        const gufunc_descriptor *d = &gufuncs[i];
+        PyObject *f = PyUFunc_FromFuncAndDataAndSignature(
+            d->funcs, no_data, (char *)d->types, 2, d->nin, d->nout, PyUFunc_None, d->name, d->doc,
+            0, d->signature);
+        if (f == NULL || PyModule_AddObject(m, d->name, f) < 0) {
+            Py_XDECREF(f);
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    return m;
+}

@@ -1,0 +1,21 @@
+"""gdn_ext: Gated DeltaNet on the CPU.
+
+The gated delta rule recurrence and its backward pass over time in C (NumPy generalized ufuncs,
+OpenMP over batch and heads), a pure-NumPy reference of the design note's loop, and checked
+Python entry points.
+
+    o, S_T = gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=alpha)
+    grads = gdn_ext.gated_delta_rule_backward(do, q, k, v, beta=beta, alpha=alpha)
+
+Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
+Rule", ICLR 2025 (arXiv:2412.06464).
+"""
+from . import reference, ufuncs
+from .recurrence import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, checkpoint_interval,
+                         gated_delta_rule, gated_delta_rule_backward, openmp_enabled)
+
+__version__ = "0.1.0"
+
+__all__ = ["gated_delta_rule", "gated_delta_rule_backward", "GatedDeltaRuleGrads",
+           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "reference", "ufuncs",
+           "__version__"]

@@ -1,0 +1,66 @@
+"""Argument checking shared by the public functions: every message names the argument and the
+shape it expected, so that bad input fails here, in Python, before any kernel runs."""
+import math
+import operator
+
+import numpy as np
+
+__all__ = []
+
+
+def as_real_array(x, name):
+    """``x`` as an ndarray of a real dtype (bool, int, float); TypeError otherwise."""
+    if x is None:
+        raise TypeError(f"{name} is required (got None)")
+    try:
+        a = np.asarray(x)
+    except Exception as exc:  # ragged lists and the like
+        raise TypeError(f"{name} must be array-like of real numbers: {exc}") from None
+    if a.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must have a real dtype (float32, float64 or one that casts to "
+                        f"them); got dtype {a.dtype}")
+    return a
+
+
+def fmt(shape):
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def expect_shape(a, name, shape, names):
+    """Raise ValueError unless ``a.shape == shape``; ``names`` spells the expected shape."""
+    if a.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {names} = {fmt(shape)}; got {fmt(a.shape)}")
+
+
+def real_scalar(x, name):
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real scalar; got {type(x).__name__}") from None
+    if np.ndim(x) != 0 or isinstance(x, (complex, np.complexfloating)):
+        raise TypeError(f"{name} must be a real scalar; got {x!r}")
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be finite; got {f}")
+    return f
+
+
+def thread_count(num_threads):
+    """None -> 0 (OpenMP's default: OMP_NUM_THREADS / threadpoolctl); else a positive int."""
+    if num_threads is None:
+        return 0
+    if isinstance(num_threads, bool):
+        raise TypeError("num_threads must be None or a positive int; got a bool")
+    try:
+        n = operator.index(num_threads)
+    except TypeError:
+        raise TypeError(f"num_threads must be None or a positive int; got "
+                        f"{type(num_threads).__name__}") from None
+    if n < 1:
+        raise ValueError(f"num_threads must be None or a positive int; got {n}")
+    return n
+
+
+def compute_dtype(arrays):
+    """The precision a NumPy ufunc with float32 and float64 loops would pick for these inputs."""
+    f32 = np.dtype(np.float32)
+    return f32 if all(np.can_cast(a.dtype, f32, "safe") for a in arrays) else np.dtype(np.float64)

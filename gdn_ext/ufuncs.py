@@ -1,0 +1,31 @@
+"""The raw generalized ufuncs of gdn_ext (C, OpenMP over the loop dimensions).
+
+``gated_delta_rule_fwd``
+    Signature ``(t,k),(t,k),(t,v),(t),(t),(v,k),()->(t,v),(v,k)``:
+    ``o, S_T = gated_delta_rule_fwd(q, k, v, alpha, beta, S_0, scale)`` for one (sequence, head) per
+    loop element: q, k ``[..., T, Dk]``, v ``[..., T, Dv]``, alpha, beta ``[..., T]``,
+    S_0 ``[..., Dv, Dk]``, scale ``[...]``; o ``[..., T, Dv]``, S_T ``[..., Dv, Dk]``.
+
+``gated_delta_rule_bwd``
+    Signature ``(t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k)``:
+    ``dq, dk, dv, dalpha, dbeta, dS_0 = gated_delta_rule_bwd(do, q, k, v, alpha, beta, S_0, dS_T,
+    scale)``, the backward pass over time of the forward (SPEC section 2), recomputing states from
+    checkpoints every ``C = ceil(sqrt(T))`` steps.
+
+Time is a core dimension, so the (sequence, head) pairs are the loop dimensions: put them first,
+e.g. ``q.transpose(0, 2, 1, 3)`` for the ``[B, T, H, Dk]`` layout (a view, no copy), or use
+``axes=``. Being ufuncs, they broadcast over the loop dimensions, cast dtypes (float16 and small
+integers run in float32, other integers in float64), accept ``out=`` (NumPy copies an operand that
+overlaps an output, so an aliasing ``out=`` still gives the right answer) and honour
+``__array_ufunc__``. Loops exist for float32 and float64; complex input raises TypeError.
+
+The loop over loop elements runs in parallel with OpenMP (default thread count: OpenMP's, which
+``OMP_NUM_THREADS`` and threadpoolctl control) with the GIL released. Shapes are not checked beyond
+what the signature implies: ``gdn_ext.gated_delta_rule`` is the checked, documented entry point.
+
+Math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule",
+ICLR 2025 (arXiv:2412.06464).
+"""
+from ._core import gated_delta_rule_bwd, gated_delta_rule_fwd
+
+__all__ = ["gated_delta_rule_fwd", "gated_delta_rule_bwd"]
