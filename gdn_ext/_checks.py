@@ -33,12 +33,11 @@ def expect_shape(a, name, shape, names):
 
 
 def real_scalar(x, name):
-    try:
-        f = float(x)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a real scalar; got {type(x).__name__}") from None
-    if np.ndim(x) != 0 or isinstance(x, (complex, np.complexfloating)):
-        raise TypeError(f"{name} must be a real scalar; got {x!r}")
+    """``x`` as a finite Python float; TypeError if not a real scalar, ValueError if not finite."""
+    if (isinstance(x, (bool, complex, str, bytes)) or np.ndim(x) != 0
+            or np.asarray(x).dtype.kind not in "iuf"):
+        raise TypeError(f"{name} must be a real scalar (a float); got {x!r}")
+    f = float(x)
     if not math.isfinite(f):
         raise ValueError(f"{name} must be finite; got {f}")
     return f

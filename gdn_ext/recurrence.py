@@ -65,7 +65,7 @@ class _Problem:
 
         sh = self.single_head
         lay_qk = "[B, T, Dk]" if sh else "[B, T, H, Dk]"
-        expect_shape(k, "k", q.shape, lay_qk)
+        expect_shape(k, "k", q.shape, lay_qk + " (the shape of q)")
         if v.ndim != q.ndim or v.shape[:-1] != q.shape[:-1]:
             want = (B, T, "Dv") if sh else (B, T, H, "Dv")
             raise ValueError(f"v must have shape {'[B, T, Dv]' if sh else '[B, T, H, Dv]'} = "

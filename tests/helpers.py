@@ -1,0 +1,43 @@
+"""Shared input generators and comparisons for the tests."""
+import numpy as np
+
+ARGS = ("q", "k", "v", "beta", "alpha", "initial_state")
+
+
+def make_inputs(rng, B=2, T=16, H=3, Dk=8, Dv=6, dtype=np.float64, single_head=False,
+                unit_keys=True, gate="alpha"):
+    """Random well-scaled inputs as a dict of keyword arguments (q, k, v positional by name).
+
+    Keys are unit-norm (as in the paper's layer), so 1 - beta |k|^2 stays in [0, 1]."""
+    heads = () if single_head else (H,)
+    q = rng.standard_normal((B, T) + heads + (Dk,))
+    k = rng.standard_normal((B, T) + heads + (Dk,))
+    if unit_keys:
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    else:
+        k *= 0.5 / np.sqrt(Dk)
+    v = rng.standard_normal((B, T) + heads + (Dv,))
+    beta = rng.uniform(0.05, 0.95, (B, T) + heads)
+    alpha = rng.uniform(0.5, 1.0, (B, T) + heads)
+    S0 = rng.standard_normal((B,) + heads + (Dv, Dk))
+    out = dict(q=q, k=k, v=v, beta=beta, initial_state=S0)
+    if gate == "alpha":
+        out["alpha"] = alpha
+    else:
+        out["g"] = np.log(alpha)
+    return {n: (a.astype(dtype) if isinstance(a, np.ndarray) else a) for n, a in out.items()}
+
+
+def split(inputs):
+    """(q, k, v) positional and the rest as keywords."""
+    kw = dict(inputs)
+    return (kw.pop("q"), kw.pop("k"), kw.pop("v")), kw
+
+
+def assert_rel_close(actual, desired, rtol, name=""):
+    """max |actual - desired| <= rtol * max |desired| (relative to the array's scale)."""
+    actual, desired = np.asarray(actual), np.asarray(desired)
+    assert actual.shape == desired.shape, f"{name}: shape {actual.shape} != {desired.shape}"
+    scale = max(np.max(np.abs(desired)), 1e-300) if desired.size else 1.0
+    err = np.max(np.abs(actual.astype(np.float64) - desired)) if desired.size else 0.0
+    assert err <= rtol * scale, f"{name}: max abs error {err:.3e} > {rtol:.1e} * {scale:.3e}"

@@ -1,0 +1,118 @@
+"""Bad input raises a clear TypeError / ValueError naming the argument and the expected shape."""
+import re
+
+import numpy as np
+import pytest
+
+import gdn_ext
+from helpers import make_inputs, split
+
+
+@pytest.fixture
+def good():
+    return make_inputs(np.random.default_rng(60), 2, 5, 3, 4, 6)
+
+
+def call(inputs, backward=False, **extra):
+    args, kw = split(inputs)
+    kw.update(extra)
+    if backward:
+        do = kw.pop("do", np.zeros(inputs["v"].shape))
+        return gdn_ext.gated_delta_rule_backward(do, *args, **kw)
+    return gdn_ext.gated_delta_rule(*args, **kw)
+
+
+SHAPE_CASES = [
+    # (argument, bad value maker, words the message must contain)
+    # a 3-d q is the single-head form, so the mismatch shows at k
+    ("q", lambda x: x["q"][0], ["k must have shape [B, T, Dk] (the shape of q)"]),
+    ("q", lambda x: x["q"][None], ["q", "[B, T, H, Dk]"]),
+    ("k", lambda x: x["k"][:, :4], ["k", "[B, T, H, Dk] (the shape of q) = [2, 5, 3, 4]", "[2, 4, 3, 4]"]),
+    ("k", lambda x: x["k"][..., :3], ["k", "[B, T, H, Dk]"]),
+    ("v", lambda x: x["v"][:1], ["v", "[B, T, H, Dv]", "[2, 5, 3, Dv]"]),
+    ("v", lambda x: x["v"][:, :, :2], ["v", "[B, T, H, Dv]"]),
+    ("beta", lambda x: x["beta"][..., None], ["beta", "[B, T, H] = [2, 5, 3]"]),
+    ("beta", lambda x: x["beta"][:, :2], ["beta", "[B, T, H]"]),
+    ("alpha", lambda x: x["alpha"][:, :, :1], ["alpha", "[B, T, H] = [2, 5, 3]"]),
+    ("initial_state", lambda x: np.swapaxes(x["initial_state"], -1, -2),
+     ["initial_state", "[B, H, Dv, Dk] = [2, 3, 6, 4]"]),
+    ("initial_state", lambda x: x["initial_state"][0], ["initial_state", "[B, H, Dv, Dk]"]),
+]
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("name,make,words", SHAPE_CASES)
+def test_wrong_shapes(good, name, make, words, backward):
+    bad = dict(good, **{name: make(good)})
+    with pytest.raises(ValueError) as info:
+        call(bad, backward=backward)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_single_head_form_messages(good):
+    sh = make_inputs(np.random.default_rng(61), 2, 5, Dk=4, Dv=6, single_head=True)
+    with pytest.raises(ValueError, match=re.escape("beta must have shape [B, T] or [B, T, 1]")):
+        call(dict(sh, beta=sh["beta"][..., None, None]))
+    with pytest.raises(ValueError, match=re.escape("initial_state must have shape [B, Dv, Dk]")):
+        call(dict(sh, initial_state=sh["initial_state"][:, None]))
+
+
+def test_do_and_dS_T_shapes(good):
+    with pytest.raises(ValueError, match=re.escape("do must have shape [B, T, H, Dv]")):
+        call(good, backward=True, do=np.zeros((2, 5, 3, 5)))
+    with pytest.raises(ValueError, match=re.escape("dS_T must have shape [B, H, Dv, Dk]")):
+        call(good, backward=True, dS_T=np.zeros((2, 3, 4, 6)))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_both_or_neither_gate(good, backward):
+    with pytest.raises(ValueError, match="exactly one of alpha .* and g.*both"):
+        call(dict(good, g=np.log(good["alpha"])), backward=backward)
+    neither = dict(good)
+    del neither["alpha"]
+    with pytest.raises(ValueError, match="exactly one of alpha .* and g.*neither"):
+        call(neither, backward=backward)
+
+
+@pytest.mark.parametrize("scale,exc", [(np.nan, ValueError), (np.inf, ValueError),
+                                       (-np.inf, ValueError), (1j, TypeError),
+                                       (np.ones(2), TypeError), ("1", TypeError),
+                                       (None, TypeError)])
+def test_bad_scale(good, scale, exc):
+    with pytest.raises(exc, match="scale"):
+        call(good, scale=scale)
+    with pytest.raises(exc, match="scale"):
+        call(good, backward=True, scale=scale)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "beta", "alpha", "initial_state"])
+@pytest.mark.parametrize("kind", ["complex", "object", "str"])
+def test_non_real_dtypes(good, name, kind):
+    x = good[name]
+    bad = {"complex": x.astype(np.complex128), "object": x.astype(object),
+           "str": x.astype(str)}[kind]
+    with pytest.raises(TypeError, match=f"^{name} must have a real dtype"):
+        call(dict(good, **{name: bad}))
+
+
+def test_missing_or_ragged(good):
+    with pytest.raises(TypeError, match="beta is required"):
+        call(dict(good, beta=None))
+    with pytest.raises(TypeError, match="^q must"):
+        call(dict(good, q=[[1.0, 2.0], [3.0]]))
+
+
+@pytest.mark.parametrize("n,exc", [(0, ValueError), (-2, ValueError), (1.5, TypeError),
+                                   (True, TypeError), ("2", TypeError)])
+def test_bad_num_threads(good, n, exc):
+    with pytest.raises(exc, match="num_threads"):
+        call(good, num_threads=n)
+
+
+def test_errors_leave_inputs_alone(good):
+    before = {n: a.copy() for n, a in good.items()}
+    with pytest.raises(ValueError):
+        call(dict(good, k=good["k"][:, :3]))
+    for n, a in before.items():
+        np.testing.assert_array_equal(good[n], a)
