@@ -44,11 +44,14 @@ static int elem_strides(ptrdiff_t *out, const npy_intp *steps, int count, size_t
     return 0;
 }
 
-/* Workspace for nt threads; NULL (with MemoryError set) on failure. */
+/* Workspace for nt threads; NULL (with MemoryError set) on failure or size_t overflow. */
 static void *alloc_workspace(int nt, size_t len, size_t itemsize)
 {
-    size_t total = (size_t)nt * len * itemsize;
-    void *ws = PyMem_RawMalloc(total ? total : 1);
+    void *ws = NULL;
+    if (len <= SIZE_MAX / itemsize / (size_t)nt) {
+        size_t total = (size_t)nt * len * itemsize;
+        ws = PyMem_RawMalloc(total ? total : 1);
+    }
     if (ws == NULL) raise_from_loop(PyExc_MemoryError, "gdn_ext: cannot allocate the kernel workspace");
     return ws;
 }
@@ -177,8 +180,8 @@ static PyObject *py_set_call_threads(PyObject *self, PyObject *arg)
 {
     long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    if (n < 0 || n > 1 << 20) {
-        PyErr_SetString(PyExc_ValueError, "num_threads must be >= 0");
+    if (n < 0 || n > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "num_threads must be between 0 and INT_MAX");
         return NULL;
     }
     int prev = call_threads;

@@ -10,7 +10,7 @@
  *   Dv  value width (rows of the state)
  *   C   checkpoint interval of the backward pass
  *
- * Math (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. for S_t; see SPEC.md 1-2):
+ * Math (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, section 3):
  *   p_t = alpha_t S_{t-1} k_t
  *   u_t = beta_t (v_t - p_t)
  *   S_t = alpha_t S_{t-1} + u_t k_t^T
@@ -57,14 +57,17 @@ typedef struct {
 } gdn_bwd_strides;
 
 /* Checkpoint interval C of the backward pass: ceil(sqrt(T)), which minimises the
- * (ceil(T/C) + C + 1) states held per (sequence, head). */
+ * (ceil(T/C) + C + 2) states held per (sequence, head): checkpoints, a segment, and G. */
 ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T);
 
-/* Workspace, in elements, that one thread needs for one (sequence, head). */
+/* Workspace, in elements, that one thread needs for one (sequence, head); SIZE_MAX if that
+ * would overflow size_t. */
 size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv);
 size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv);
 
-/* Threads a parallel loop over N pairs uses: min(N, num_threads or OpenMP's default). */
+/* Threads a parallel loop over N pairs uses: min(N, num_threads or OpenMP's default,
+ * GDN_MAX_OVERSUBSCRIBE * processors, OpenMP's thread limit). */
+#define GDN_MAX_OVERSUBSCRIBE 4
 int gdn_threads_for(ptrdiff_t N, int num_threads);
 int gdn_openmp_enabled(void);
 

@@ -2,6 +2,8 @@
  * gdn_kernels.c -- the gated delta rule kernels for float and double (see gdn.h for the legend).
  * The kernel pair is written once in gdn_recurrent.inc and instantiated here per precision.
  */
+#include <fenv.h>
+#include <stdint.h>
 #include <string.h>
 #include "gdn.h"
 
@@ -30,24 +32,40 @@ ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T)
     return C;
 }
 
+/* a * b + c in size_t, or SIZE_MAX when it would overflow */
+static size_t mul_add(size_t a, size_t b, size_t c)
+{
+    if (b != 0 && a > (SIZE_MAX - c) / b) return SIZE_MAX;
+    return a * b + c;
+}
+
 size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     (void)T;
-    return (size_t)(Dv * Dk + 2 * Dk);
+    /* S + k_t + q_t */
+    return mul_add((size_t)Dv + 2, (size_t)Dk, 0);
 }
 
 size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     const ptrdiff_t C = gdn_checkpoint_interval(T);
     const ptrdiff_t nseg = T > 0 ? (T + C - 1) / C : 0;
-    /* checkpoints + segment states + (v - p) per step + G + four Dk vectors + one Dv vector */
-    return (size_t)((nseg + C + 2) * Dv * Dk + C * Dv + 4 * Dk + Dv);
+    /* checkpoints + (C + 1) segment states + G, (v - p) per step, four Dk vectors, one Dv vector */
+    size_t states = mul_add((size_t)(nseg + C + 2), (size_t)Dv, 0);
+    size_t vectors = mul_add((size_t)C + 1, (size_t)Dv, 4 * (size_t)Dk);
+    if (states == SIZE_MAX || vectors == SIZE_MAX) return SIZE_MAX;
+    return mul_add(states, (size_t)Dk, vectors);
 }
 
 int gdn_threads_for(ptrdiff_t N, int num_threads)
 {
 #ifdef _OPENMP
     int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
+    /* more threads than GDN_MAX_OVERSUBSCRIBE per processor only cost memory (and thread
+     * creation can fail and abort the process); results do not depend on the count */
+    const int cap = GDN_MAX_OVERSUBSCRIBE * omp_get_num_procs();
+    if (nt > cap) nt = cap;
+    if (nt > omp_get_thread_limit()) nt = omp_get_thread_limit();
 #else
     int nt = 1;
     (void)num_threads;
@@ -64,6 +82,11 @@ int gdn_openmp_enabled(void)
     return 0;
 #endif
 }
+
+/* Floating-point exceptions raised in worker threads are invisible to NumPy, which reads the
+ * calling thread's flags after the loop: each (sequence, head) collects its own, and the union is
+ * raised again on the calling thread, so warnings do not depend on the thread count. */
+#define GDN_FE_FLAGS (FE_DIVBYZERO | FE_OVERFLOW | FE_INVALID | FE_UNDERFLOW)
 
 #define REAL double
 #define SFX(name) name##_f64

@@ -12,10 +12,11 @@ Rule", ICLR 2025 (arXiv:2412.06464).
 """
 from . import reference, ufuncs
 from .recurrence import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, checkpoint_interval,
-                         gated_delta_rule, gated_delta_rule_backward, openmp_enabled)
+                         gated_delta_rule, gated_delta_rule_backward, gated_delta_rule_step,
+                         openmp_enabled)
 
 __version__ = "0.1.0"
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_backward", "GatedDeltaRuleGrads",
+__all__ = ["gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
            "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "reference", "ufuncs",
            "__version__"]

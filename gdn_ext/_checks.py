@@ -12,13 +12,16 @@ def as_real_array(x, name):
     """``x`` as an ndarray of a real dtype (bool, int, float); TypeError otherwise."""
     if x is None:
         raise TypeError(f"{name} is required (got None)")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a masked array, whose mask the kernels would ignore; pass "
+                        f"{name}.filled(value) or a plain ndarray")
     try:
         a = np.asarray(x)
     except Exception as exc:  # ragged lists and the like
         raise TypeError(f"{name} must be array-like of real numbers: {exc}") from None
-    if a.dtype.kind not in "biuf":
-        raise TypeError(f"{name} must have a real dtype (float32, float64 or one that casts to "
-                        f"them); got dtype {a.dtype}")
+    if a.dtype.kind not in "biuf" or not np.can_cast(a.dtype, np.float64, "safe"):
+        raise TypeError(f"{name} must have a real dtype that casts safely to float64 (the kernels "
+                        f"run in float32 or float64); got dtype {a.dtype}")
     return a
 
 
@@ -34,10 +37,15 @@ def expect_shape(a, name, shape, names):
 
 def real_scalar(x, name):
     """``x`` as a finite Python float; TypeError if not a real scalar, ValueError if not finite."""
-    if (isinstance(x, (bool, complex, str, bytes)) or np.ndim(x) != 0
-            or np.asarray(x).dtype.kind not in "iuf"):
+    ok = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+    if not ok and isinstance(x, np.ndarray) and x.ndim == 0:
+        ok = x.dtype.kind in "iuf"
+    if not ok:
         raise TypeError(f"{name} must be a real scalar (a float); got {x!r}")
-    f = float(x)
+    try:
+        f = float(x)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite; got {x!r}") from None
     if not math.isfinite(f):
         raise ValueError(f"{name} must be finite; got {f}")
     return f
@@ -54,9 +62,16 @@ def thread_count(num_threads):
     except TypeError:
         raise TypeError(f"num_threads must be None or a positive int; got "
                         f"{type(num_threads).__name__}") from None
-    if n < 1:
-        raise ValueError(f"num_threads must be None or a positive int; got {n}")
+    if not 1 <= n <= 2**31 - 1:
+        raise ValueError(f"num_threads must be None or an int in [1, 2**31 - 1]; got {n}")
     return n
+
+
+def flag(x, name):
+    """A bool argument; TypeError for anything else (a string like "no" is truthy)."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {x!r}")
+    return bool(x)
 
 
 def compute_dtype(arrays):

@@ -1,6 +1,6 @@
 """The gated delta rule: checked NumPy entry points over the C generalized ufuncs.
 
-Math (SPEC.md sections 1-2): S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving
+Math (README, "The recurrence" and "The backward pass"): S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving
 Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 """
 from collections import namedtuple
@@ -8,19 +8,22 @@ from collections import namedtuple
 import numpy as np
 
 from . import _core
-from ._checks import (as_real_array, compute_dtype, expect_shape, real_scalar, thread_count)
+from ._checks import (as_real_array, compute_dtype, expect_shape, flag, real_scalar,
+                      thread_count)
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_backward", "GatedDeltaRuleGrads",
+__all__ = ["gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
            "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval"]
 
 GatedDeltaRuleGrads = namedtuple("GatedDeltaRuleGrads",
                                  ["dq", "dk", "dv", "dbeta", "dalpha", "d_initial_state"])
 GatedDeltaRuleGrads.__doc__ = """Gradients of gated_delta_rule when the gate was given as alpha.
-Each field has the shape and dtype of its input (d_initial_state: of the state)."""
+Each field has the shape of its input (d_initial_state: of the state) and the dtype the
+computation ran in (float32 or float64)."""
 GatedDeltaRuleGradsG = namedtuple("GatedDeltaRuleGradsG",
                                   ["dq", "dk", "dv", "dbeta", "dg", "d_initial_state"])
 GatedDeltaRuleGradsG.__doc__ = """Gradients of gated_delta_rule when the gate was given as log
-decay g (dg = alpha * dalpha). Each field has the shape and dtype of its input."""
+decay g (dg = alpha * dalpha). Each field has the shape of its input and the dtype the
+computation ran in (float32 or float64)."""
 
 
 def openmp_enabled():
@@ -158,6 +161,7 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     num_threads : int or None
         OpenMP threads for the loop over (sequence, head) pairs. None uses OpenMP's default, which
         ``OMP_NUM_THREADS`` and threadpoolctl control. Results do not depend on it (bitwise).
+        At most B*H threads are used, and at most 4 per processor.
 
     Returns
     -------
@@ -165,14 +169,15 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     S_T : ndarray [B, H, Dv, Dk]  (single-head: [B, Dv, Dk]), or None
 
     Both are float32 when every input casts safely to float32 (float32, float16, small ints) and
-    float64 otherwise, computed in that precision, as a NumPy ufunc would choose. Inputs are
-    never modified.
+    float64 otherwise, computed in that precision, as a NumPy ufunc would choose (dtypes that do
+    not cast safely to float64, such as longdouble, raise TypeError). Inputs are never modified.
+    Floating-point warnings (overflow, invalid) follow NumPy's errstate whichever thread met them.
 
     Raises
     ------
     TypeError
-        An input that is not a real array (complex, object, strings), a non-scalar scale, a
-        num_threads that is not an int.
+        An input that is not a real array (complex, object, strings, masked arrays), a non-scalar
+        scale, a num_threads that is not an int, an output_final_state that is not a bool.
     ValueError
         Wrong ranks or mismatched sizes (the message names the argument and the expected shape),
         both or neither of alpha and g, a non-finite scale, num_threads < 1.
@@ -183,9 +188,10 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     with the GIL released. The raw ufunc is ``gdn_ext.ufuncs.gated_delta_rule_fwd``.
 
     Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
-    Rule", ICLR 2025 (arXiv:2412.06464), section 3; gdn_ext SPEC.md section 1.
+    Rule", ICLR 2025 (arXiv:2412.06464), section 3 (the gated delta rule).
     """
     nt = thread_count(num_threads)
+    output_final_state = flag(output_final_state, "output_final_state")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale)
     o, o_k = p.seq_empty(p.Dv)
     S_T = np.empty((p.B, p.H, p.Dv, p.Dk), p.dtype)
@@ -199,7 +205,7 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
     """Gradients of :func:`gated_delta_rule` (backpropagation through time, in C).
 
     Given ``do`` = dL/do and ``dS_T`` = dL/dS_T, returns dL/d(every input). Walks t = T..1 with
-    G = dL/dS_t (SPEC.md section 2)::
+    G = dL/dS_t (derived by hand from the forward; see the README, "The backward pass")::
 
         G += s do_t q_t^T;  dq_t = s S_t^T do_t;  du = G k_t;  dk_t = G^T u_t + alpha_t S_{t-1}^T dp
         dbeta_t = du . (v_t - p_t);  dv_t = beta_t du;  dp = -beta_t du
@@ -232,7 +238,7 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         As :func:`gated_delta_rule`; also when do or dS_T has the wrong shape.
 
     Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks", ICLR 2025
-    (arXiv:2412.06464); the backward equations are gdn_ext SPEC.md section 2.
+    (arXiv:2412.06464), section 3; the equations above are the chain rule through its recurrence.
     """
     nt = thread_count(num_threads)
     do = as_real_array(do, "do")
@@ -265,3 +271,75 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         dg = (p.alpha.transpose(0, 2, 1) * dalpha).astype(p.dtype, copy=False)
         return GatedDeltaRuleGradsG(dq, dk, dv, dbeta, dg.reshape(p.gate_shape), dS0)
     return GatedDeltaRuleGrads(dq, dk, dv, dbeta, dalpha.reshape(p.gate_shape), dS0)
+
+
+def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, scale=1.0):
+    """One token of the gated delta rule: recurrent (decoding) form of :func:`gated_delta_rule`.
+
+    ``o_t, S_t = gated_delta_rule_step(q_t, k_t, v_t, beta=beta_t, alpha=alpha_t, state=S_{t-1})``
+    computes, per sequence and head, ``S_t = alpha_t S_{t-1} + beta_t (v_t - alpha_t S_{t-1} k_t)
+    k_t^T`` and ``o_t = scale S_t q_t``. Feeding a sequence one token at a time gives the same
+    outputs and final state as one call of :func:`gated_delta_rule` (bitwise: same kernel).
+
+    Parameters
+    ----------
+    q_t, k_t : array [B, H, Dk]  (single-head form: [B, Dk])
+    v_t : array [B, H, Dv]  (single-head: [B, Dv])
+    beta, alpha or g : array [B, H]  (single-head: [B] or [B, 1]); exactly one of alpha and g.
+    state : array [B, H, Dv, Dk]  (single-head: [B, Dv, Dk]), or None for zeros. Not modified.
+    scale : float, default 1.0
+
+    Returns
+    -------
+    o_t : ndarray [B, H, Dv] (single-head: [B, Dv]);  new_state : ndarray shaped as ``state``.
+    float32 when all inputs cast safely to float32, float64 otherwise.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`gated_delta_rule`, the messages naming the argument and the step's shapes.
+
+    Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025 (arXiv:2412.06464), sec. 3.
+    """
+    q_t = as_real_array(q_t, "q_t")
+    if q_t.ndim not in (2, 3):
+        raise ValueError("q_t must have shape [B, H, Dk] (or [B, Dk], the single-head form); "
+                         f"got shape {list(q_t.shape)}")
+    sh = q_t.ndim == 2
+    B, Dk = q_t.shape[0], q_t.shape[-1]
+    H = 1 if sh else q_t.shape[1]
+    k_t = as_real_array(k_t, "k_t")
+    v_t = as_real_array(v_t, "v_t")
+    expect_shape(k_t, "k_t", q_t.shape, "[B, Dk]" if sh else "[B, H, Dk]")
+    if v_t.shape[:-1] != q_t.shape[:-1]:
+        raise ValueError(f"v_t must have shape {'[B, Dv]' if sh else '[B, H, Dv]'} with "
+                         f"{'B' if sh else '[B, H]'} = {list(q_t.shape[:-1])}; got {list(v_t.shape)}")
+    Dv = v_t.shape[-1]
+    if (alpha is None) == (g is None):
+        raise ValueError("give exactly one of alpha (decay in [0, 1]) and g (log decay); got "
+                         + ("both" if alpha is not None else "neither"))
+    gate_name = "alpha" if alpha is not None else "g"
+    gate = as_real_array(alpha if alpha is not None else g, gate_name)
+    beta = as_real_array(beta, "beta")
+    for name, a in ((gate_name, gate), ("beta", beta)):
+        if not (a.shape == (B, H) if not sh else a.shape in ((B,), (B, 1))):
+            raise ValueError(f"{name} must have shape {'[B] or [B, 1]' if sh else '[B, H]'} = "
+                             f"{[B] if sh else [B, H]}; got {list(a.shape)}")
+    state_shape = (B, Dv, Dk) if sh else (B, H, Dv, Dk)
+    arrays = [q_t, k_t, v_t, gate, beta]
+    if state is not None:
+        state = as_real_array(state, "state")
+        expect_shape(state, "state", state_shape, "[B, Dv, Dk]" if sh else "[B, H, Dv, Dk]")
+        arrays.append(state)
+    s = real_scalar(scale, "scale")
+    dt = compute_dtype(arrays)
+    gate = gate.reshape(B, H, 1)
+    if gate_name == "g":
+        gate = np.exp(gate.astype(dt, copy=False))
+    S0 = np.zeros((1, 1, Dv, Dk), dt) if state is None else state.reshape(B, H, Dv, Dk)
+    o = np.empty((B, H, 1, Dv), dt)
+    S_new = np.empty((B, H, Dv, Dk), dt)
+    _core.gated_delta_rule_fwd(q_t.reshape(B, H, 1, Dk), k_t.reshape(B, H, 1, Dk),
+                               v_t.reshape(B, H, 1, Dv), gate, beta.reshape(B, H, 1), S0, s,
+                               out=(o, S_new), dtype=dt, casting="same_kind")
+    return o.reshape(v_t.shape), S_new.reshape(state_shape)

@@ -1,8 +1,8 @@
 """The gated delta rule in plain NumPy, step by step: the teaching version and the tests' oracle.
 
-It follows the design note's reference loop (``seed/gated_deltanet_design_note.zh.md``) with its
-names -- ``batch_matvec``, ``batch_outer``, ``gate_memory`` -- and adds the backward pass over time
-(SPEC.md section 2) written the same way. Slow (a Python loop over time) and memory-hungry (the
+It follows the reference loop of the design note gdn_ext started from (a single-head PyTorch loop)
+with its names -- ``batch_matvec``, ``batch_outer``, ``gate_memory`` -- and adds the backward pass
+over time (README, "The backward pass") written the same way. Slow (a Python loop over time) and memory-hungry (the
 backward keeps every state): use :func:`gdn_ext.gated_delta_rule` for real work.
 
 Layouts are those of :func:`gdn_ext.gated_delta_rule`: q, k [B, T, H, Dk], v [B, T, H, Dv],
@@ -76,7 +76,7 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
 
 def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
                               dS_T=None, scale=1.0):
-    """Backward pass over time (SPEC.md section 2) of :func:`gated_delta_rule`, keeping every
+    """Backward pass over time (README, "The backward pass") of :func:`gated_delta_rule`, keeping every
     state. Returns the same named tuple as :func:`gdn_ext.gated_delta_rule_backward`."""
     gate_shape, beta_shape = np.shape(alpha if g is None else g), np.shape(beta)
     q, k, v, beta, alpha, S0, dt = _inputs(q, k, v, beta, alpha, g, initial_state, (do,))

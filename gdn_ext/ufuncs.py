@@ -9,7 +9,7 @@
 ``gated_delta_rule_bwd``
     Signature ``(t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k)``:
     ``dq, dk, dv, dalpha, dbeta, dS_0 = gated_delta_rule_bwd(do, q, k, v, alpha, beta, S_0, dS_T,
-    scale)``, the backward pass over time of the forward (SPEC section 2), recomputing states from
+    scale)``, the backward pass over time of the forward (README, "The backward pass"), recomputing states from
     checkpoints every ``C = ceil(sqrt(T))`` steps.
 
 Time is a core dimension, so the (sequence, head) pairs are the loop dimensions: put them first,

@@ -77,7 +77,7 @@ def test_both_or_neither_gate(good, backward):
 
 @pytest.mark.parametrize("scale,exc", [(np.nan, ValueError), (np.inf, ValueError),
                                        (-np.inf, ValueError), (1j, TypeError),
-                                       (np.ones(2), TypeError), ("1", TypeError),
+                                       (np.ones(2), TypeError), ("1", TypeError), (True, TypeError),
                                        (None, TypeError)])
 def test_bad_scale(good, scale, exc):
     with pytest.raises(exc, match="scale"):
@@ -116,3 +116,56 @@ def test_errors_leave_inputs_alone(good):
         call(dict(good, k=good["k"][:, :3]))
     for n, a in before.items():
         np.testing.assert_array_equal(good[n], a)
+
+
+def test_more_dtype_and_flag_errors(good):
+    with pytest.raises(TypeError, match="^q must have a real dtype that casts safely to float64"):
+        call(dict(good, q=good["q"].astype(np.longdouble)))
+    with pytest.raises(TypeError, match="^v is a masked array"):
+        call(dict(good, v=np.ma.masked_less(good["v"], 0)))
+    with pytest.raises(TypeError, match="output_final_state must be a bool"):
+        call(good, output_final_state="no")
+    with pytest.raises(ValueError, match=r"num_threads must be .* \[1, 2\*\*31 - 1\]"):
+        call(good, num_threads=2**64)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        call(good, scale=10**400)
+
+
+def test_large_scale_values_are_accepted(good):
+    """A huge int or a NumPy scalar is still a real scalar."""
+    o1, _ = call(good, scale=2**70)
+    o2, _ = call(good, scale=np.float32(2.0**70))
+    np.testing.assert_allclose(o1, o2, rtol=1e-12)
+
+
+def test_oversized_thread_request_is_capped_not_fatal(good):
+    """Asking for far more threads than processors must not kill the process."""
+    from gdn_ext import _core
+    q = np.zeros((1, 1, 5000, 1))
+    o, _ = gdn_ext.gated_delta_rule(q, q, q, beta=q[..., 0], alpha=q[..., 0], num_threads=5000)
+    assert o.shape == (1, 1, 5000, 1)
+    prev = _core._set_call_threads(5000)
+    try:
+        assert _core._threads_for(5000) <= 4 * __import__("os").cpu_count()
+    finally:
+        _core._set_call_threads(prev)
+
+
+def test_workspace_size_overflow_raises_memory_error():
+    """Sizes whose workspace would overflow size_t raise MemoryError (stride-0 fakes, no RAM)."""
+    from numpy.lib.stride_tricks import as_strided
+
+    from gdn_ext import ufuncs
+
+    def fake(*shape):
+        return as_strided(np.zeros(1), shape=shape, strides=(0,) * len(shape))
+
+    def const(*shape):
+        return np.broadcast_to(0.0, shape)
+
+    T, Dk, Dv = 4, 230584300921369396, 1
+    with pytest.raises(MemoryError):
+        ufuncs.gated_delta_rule_bwd(
+            const(T, Dv), const(T, Dk), const(T, Dk), const(T, Dv), const(T), const(T),
+            const(Dv, Dk), const(Dv, Dk), 1.0,
+            out=(fake(T, Dk), fake(T, Dk), fake(T, Dv), fake(T), fake(T), fake(Dv, Dk)))

@@ -213,3 +213,19 @@ def test_gil_is_released():
         stop.set()
         th.join()
     assert during > 1000
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_floating_point_errors_seen_from_any_thread(num_threads):
+    """An overflow in the last (sequence, head) -- run by a worker thread when there are two --
+    still reaches np.errstate on the calling thread."""
+    inputs = make_inputs(np.random.default_rng(51), 4, 6, 2, 3, 3)
+    inputs["alpha"][-1, 2, -1] = np.inf
+    args, kw = split(inputs)
+    with np.errstate(all="ignore"):
+        o, _ = gdn_ext.gated_delta_rule(*args, **kw, num_threads=num_threads)
+    assert not np.all(np.isfinite(o[-1, :, -1])) and np.all(np.isfinite(o[:-1]))
+    with np.errstate(invalid="raise", over="raise"), pytest.raises(FloatingPointError):
+        gdn_ext.gated_delta_rule(*args, **kw, num_threads=num_threads)
+    with np.errstate(invalid="raise", over="raise"), pytest.raises(FloatingPointError):
+        gdn_ext.gated_delta_rule_backward(np.ones_like(o), *args, **kw, num_threads=num_threads)

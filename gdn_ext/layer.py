@@ -1,0 +1,288 @@
+"""The design note's Gated DeltaNet layer in NumPy, its backward, and token-by-token stepping.
+
+Mirrors the design note's ``gated_deltanet_forward`` line by line::
+
+    h    = rmsnorm(x)                                  x [B, T, D]
+    q    = h Wq,  k = h Wk,  v = h Wv                  [B, T, H, Dk] / [B, T, H, Dv]
+    gate = sigmoid(h Wg_state),  eta = sigmoid(h Weta) [B, T, H]
+    O, S = recurrence(q, k, v, alpha=gate, beta=eta)   in C (gdn_ext.gated_delta_rule)
+    y    = x + O Wo
+
+with heads, and an option (off by default, as in the design note) to L2-normalise q and k the way
+the paper's layer does (``x / sqrt(sum x^2 + 1e-6)``), which keeps the delta rule stable.
+The backward is written out by hand in NumPy; the recurrence's backward is the C kernel.
+
+Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
+Rule", ICLR 2025 (arXiv:2412.06464), sections 3-4.
+"""
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ._checks import as_real_array, expect_shape, fmt
+from .recurrence import gated_delta_rule, gated_delta_rule_backward, gated_delta_rule_step
+
+__all__ = ["GatedDeltaNetParams", "rmsnorm", "rmsnorm_backward", "l2norm", "l2norm_backward",
+           "gated_deltanet_forward", "gated_deltanet_backward", "gated_deltanet_step"]
+
+RMS_EPS = 1e-6   # rmsnorm: w * x / sqrt(mean(x^2) + eps)
+L2_EPS = 1e-6    # l2norm:  x / sqrt(sum(x^2) + eps), eps inside the root (flash-linear-attention)
+
+
+@dataclass(repr=False)
+class GatedDeltaNetParams:
+    """Weights of one Gated DeltaNet layer (the design note's ``params``).
+
+    Fields (D = d_model, H = n_heads, Dk = d_key, Dv = d_value; rows index the input):
+        Wq [D, H*Dk], Wk [D, H*Dk], Wv [D, H*Dv]  query / key / value projections
+        Wg_state [D, H]   decay-gate projection (gate = sigmoid(h Wg_state))
+        Weta [D, H]       write-strength projection (eta = sigmoid(h Weta), the recurrence's beta)
+        Wo [H*Dv, D]      output projection
+        norm_weight [D]   RMSNorm weight (ones at init)
+
+    Iterating gives (name, array) pairs in that order; ``dparams`` of the backward has the same
+    fields.
+    """
+    Wq: np.ndarray
+    Wk: np.ndarray
+    Wv: np.ndarray
+    Wg_state: np.ndarray
+    Weta: np.ndarray
+    Wo: np.ndarray
+    norm_weight: np.ndarray
+
+    @classmethod
+    def init(cls, d_model, d_key, d_value, n_heads=1, seed=0, dtype=np.float32):
+        """Random weights: projections ~ N(0, 1/fan_in), norm weight ones.
+
+        d_model, d_key, d_value, n_heads: positive ints (D, Dk, Dv, H). seed: for
+        numpy.random.default_rng. dtype: float32 or float64. Raises ValueError otherwise."""
+        for name, n in (("d_model", d_model), ("d_key", d_key), ("d_value", d_value),
+                        ("n_heads", n_heads)):
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{name} must be a positive int; got {n!r}")
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float32, np.float64):
+            raise ValueError(f"dtype must be float32 or float64; got {dtype}")
+        rng = np.random.default_rng(seed)
+        D, H, Dk, Dv = d_model, n_heads, d_key, d_value
+
+        def w(shape, fan_in):
+            return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(dtype)
+
+        return cls(Wq=w((D, H * Dk), D), Wk=w((D, H * Dk), D), Wv=w((D, H * Dv), D),
+                   Wg_state=w((D, H), D), Weta=w((D, H), D), Wo=w((H * Dv, D), H * Dv),
+                   norm_weight=np.ones(D, dtype))
+
+    def __iter__(self):
+        return ((f.name, getattr(self, f.name)) for f in fields(self))
+
+    def __repr__(self):
+        body = ", ".join(f"{n}={fmt(a.shape)}" for n, a in self)
+        return (f"GatedDeltaNetParams(D={self.d_model}, H={self.n_heads}, Dk={self.d_key}, "
+                f"Dv={self.d_value}, dtype={self.Wq.dtype}; {body})")
+
+    @property
+    def d_model(self):
+        return self.Wq.shape[0]
+
+    @property
+    def n_heads(self):
+        return self.Wg_state.shape[1]
+
+    @property
+    def d_key(self):
+        return self.Wq.shape[1] // self.n_heads
+
+    @property
+    def d_value(self):
+        return self.Wv.shape[1] // self.n_heads
+
+    def map(self, fn):
+        """A new GatedDeltaNetParams with fn(array) for every field."""
+        return GatedDeltaNetParams(**{n: fn(a) for n, a in self})
+
+    def check(self):
+        """Raise ValueError unless every field has the shape its role needs."""
+        D, H = self.Wq.shape[0] if self.Wq.ndim == 2 else -1, self.Wg_state.shape[-1]
+        if H < 1 or self.Wq.ndim != 2 or self.Wq.shape[1] % H or self.Wv.ndim != 2 \
+                or self.Wv.shape[1] % H:
+            raise ValueError("params: Wq must be [D, H*Dk], Wv [D, H*Dv] and Wg_state [D, H]; got "
+                             + ", ".join(f"{n} {fmt(a.shape)}" for n, a in self))
+        Dk, Dv = self.Wq.shape[1] // H, self.Wv.shape[1] // H
+        want = {"Wq": ((D, H * Dk), "[D, H*Dk]"), "Wk": ((D, H * Dk), "[D, H*Dk]"),
+                "Wv": ((D, H * Dv), "[D, H*Dv]"), "Wg_state": ((D, H), "[D, H]"),
+                "Weta": ((D, H), "[D, H]"), "Wo": ((H * Dv, D), "[H*Dv, D]"),
+                "norm_weight": ((D,), "[D]")}
+        for n, a in self:
+            as_real_array(a, f"params.{n}")
+            expect_shape(np.asarray(a), f"params.{n}", *want[n])
+
+
+def rmsnorm(x, weight, eps=RMS_EPS):
+    """RMSNorm: ``weight * x / sqrt(mean(x**2, axis=-1) + eps)``. x [..., D], weight [D]."""
+    return weight * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def rmsnorm_backward(dh, x, weight, eps=RMS_EPS):
+    """Gradients (dx, dweight) of :func:`rmsnorm` given dh = dL/dh; dweight sums leading axes."""
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    xhat = x * r
+    dweight = np.sum((dh * xhat).reshape(-1, x.shape[-1]), axis=0)
+    dxhat = dh * weight
+    # d/dx of x r(x), r = (mean(x^2) + eps)^(-1/2):  r dxhat - x r^3 mean(dxhat x)
+    dx = r * dxhat - x * r ** 3 * np.mean(dxhat * x, axis=-1, keepdims=True)
+    return dx, dweight
+
+
+def l2norm(x, eps=L2_EPS):
+    """``x / sqrt(sum(x**2, axis=-1) + eps)`` (eps inside the root, as flash-linear-attention)."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def l2norm_backward(dy, x, eps=L2_EPS):
+    """dx of :func:`l2norm` given dy: (dy - y (y . dy)) / n with n = sqrt(sum x^2 + eps)."""
+    n = np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+    y = x / n
+    return (dy - y * np.sum(y * dy, axis=-1, keepdims=True)) / n
+
+
+def _sigmoid(z):
+    return 0.5 * (1.0 + np.tanh(0.5 * z))   # no overflow warning for large |z|
+
+
+def _check(x, S, params, name="x"):
+    params.check()
+    x = as_real_array(x, name)
+    D, H, Dk, Dv = params.d_model, params.n_heads, params.d_key, params.d_value
+    if x.ndim != 3 or x.shape[-1] != D:
+        raise ValueError(f"{name} must have shape [B, T, D] with D = {D}; got {fmt(x.shape)}")
+    if S is not None:
+        S = as_real_array(S, "S")
+        expect_shape(S, "S", (x.shape[0], H, Dv, Dk), "[B, H, Dv, Dk]")
+    return x, S
+
+
+def _projections(x, params, normalize_qk):
+    """The layer up to the recurrence's inputs, keeping what the backward needs."""
+    B, T, _ = x.shape
+    H, Dk, Dv = params.n_heads, params.d_key, params.d_value
+    h = rmsnorm(x, params.norm_weight)                          # [B, T, D]
+    q_raw = (h @ params.Wq).reshape(B, T, H, Dk)
+    k_raw = (h @ params.Wk).reshape(B, T, H, Dk)
+    v = (h @ params.Wv).reshape(B, T, H, Dv)
+    gate = _sigmoid(h @ params.Wg_state)                        # [B, T, H], alpha
+    eta = _sigmoid(h @ params.Weta)                             # [B, T, H], beta
+    q = l2norm(q_raw) if normalize_qk else q_raw
+    k = l2norm(k_raw) if normalize_qk else k_raw
+    return h, q_raw, k_raw, q, k, v, gate, eta
+
+
+def gated_deltanet_forward(x, S, params, *, normalize_qk=False, scale=1.0, num_threads=None):
+    """The design note's Gated DeltaNet layer: ``y, S_T = gated_deltanet_forward(x, S, params)``.
+
+    Parameters
+    ----------
+    x : array [B, T, D]
+    S : array [B, H, Dv, Dk] or None (zeros): the recurrent state entering the layer.
+    params : GatedDeltaNetParams
+    normalize_qk : bool, default False
+        L2-normalise q and k before the recurrence (the paper's layer; the design note has none).
+    scale : float, default 1.0
+        Read-out scale of the recurrence.
+    num_threads : int or None
+        OpenMP threads of the recurrence (None: OpenMP's default).
+
+    Returns
+    -------
+    y : ndarray [B, T, D] = x + O Wo;  S_T : ndarray [B, H, Dv, Dk].
+    Computed in the promoted float dtype of x and params (float32 or float64).
+
+    Raises
+    ------
+    ValueError, TypeError
+        x or S of the wrong shape or dtype, params whose shapes do not fit together.
+
+    Source: the design note's ``gated_deltanet_forward``; Yang, Kautz, Hatamizadeh, ICLR 2025.
+    """
+    x, S = _check(x, S, params)
+    B, T, D = x.shape
+    h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk)
+    O, S_T = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
+                              num_threads=num_threads)
+    y = x + O.reshape(B, T, -1) @ params.Wo
+    return y, S_T
+
+
+def gated_deltanet_backward(dy, x, S, params, dS_T=None, *, normalize_qk=False, scale=1.0,
+                            num_threads=None):
+    """Backward of :func:`gated_deltanet_forward`: ``dx, dS, dparams``.
+
+    Recomputes the forward's projections (cheap), runs the recurrence's backward in C
+    (:func:`gdn_ext.gated_delta_rule_backward`) and the rest in NumPy.
+
+    Parameters
+    ----------
+    dy : array [B, T, D]   gradient of the loss with respect to y.
+    x, S, params, normalize_qk, scale, num_threads : as for the forward.
+    dS_T : array [B, H, Dv, Dk] or None   gradient with respect to the final state.
+
+    Returns
+    -------
+    dx : ndarray [B, T, D];  dS : ndarray [B, H, Dv, Dk] (also when S was None);
+    dparams : GatedDeltaNetParams of gradients, each the shape of its weight.
+
+    Raises
+    ------
+    ValueError, TypeError as the forward; also dy or dS_T of the wrong shape.
+    """
+    x, S = _check(x, S, params)
+    dy = as_real_array(dy, "dy")
+    expect_shape(dy, "dy", x.shape, "[B, T, D]")
+    B, T, D = x.shape
+    H, Dk, Dv = params.n_heads, params.d_key, params.d_value
+    h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk)
+
+    # y = x + O Wo
+    O, _ = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
+                            output_final_state=False, num_threads=num_threads)
+    O2 = O.reshape(B * T, H * Dv)
+    dy2 = dy.reshape(B * T, D)
+    dWo = O2.T @ dy2
+    dO = (dy2 @ params.Wo.T).reshape(B, T, H, Dv)
+    # O, S_T = recurrence(q, k, v, alpha=gate, beta=eta, S)
+    g = gated_delta_rule_backward(dO, q, k, v, beta=eta, alpha=gate, initial_state=S, dS_T=dS_T,
+                                  scale=scale, num_threads=num_threads)
+    dq, dk = g.dq, g.dk
+    if normalize_qk:
+        dq, dk = l2norm_backward(dq, q_raw), l2norm_backward(dk, k_raw)
+    # gate = sigmoid(h Wg_state), eta = sigmoid(h Weta)
+    dg_pre = g.dalpha * gate * (1 - gate)
+    de_pre = g.dbeta * eta * (1 - eta)
+    # q = h Wq, k = h Wk, v = h Wv
+    h2 = h.reshape(B * T, D)
+    pre = [(dq, params.Wq), (dk, params.Wk), (g.dv, params.Wv), (dg_pre, params.Wg_state),
+           (de_pre, params.Weta)]
+    dW = [h2.T @ d.reshape(B * T, -1) for d, _ in pre]
+    dh = sum(d.reshape(B * T, -1) @ W.T for d, W in pre).reshape(B, T, D)
+    # h = rmsnorm(x)
+    dx_norm, dnorm = rmsnorm_backward(dh, x, params.norm_weight)
+    dparams = GatedDeltaNetParams(Wq=dW[0], Wk=dW[1], Wv=dW[2], Wg_state=dW[3], Weta=dW[4],
+                                  Wo=dWo, norm_weight=dnorm)
+    return dy + dx_norm, g.d_initial_state, dparams
+
+
+def gated_deltanet_step(x_t, S, params, *, normalize_qk=False, scale=1.0):
+    """One token through the layer: ``y_t, S_new = gated_deltanet_step(x_t, S, params)``.
+
+    x_t [B, D]; S [B, H, Dv, Dk] or None (zeros). Returns y_t [B, D] and the new state. Feeding a
+    sequence token by token gives what :func:`gated_deltanet_forward` gives for the whole of it.
+    Raises ValueError / TypeError for inputs of the wrong shape or dtype."""
+    x_t = as_real_array(x_t, "x_t")
+    if x_t.ndim != 2:
+        raise ValueError(f"x_t must have shape [B, D]; got {fmt(x_t.shape)}")
+    x, S = _check(x_t[:, None, :], S, params, name="x_t[:, None]")
+    h, _, _, q, k, v, gate, eta = _projections(x, params, normalize_qk)
+    o, S_new = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta=eta[:, 0],
+                                     alpha=gate[:, 0], state=S, scale=scale)
+    return x_t + o.reshape(x_t.shape[0], -1) @ params.Wo, S_new
