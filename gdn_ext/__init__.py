@@ -1,8 +1,9 @@
 """gdn_ext: Gated DeltaNet on the CPU.
 
 The gated delta rule recurrence and its backward pass over time in C (NumPy generalized ufuncs,
-OpenMP over batch and heads), a pure-NumPy reference of the design note's loop, and checked
-Python entry points.
+OpenMP over batch and heads), a pure-NumPy reference of the design note's loop, checked Python
+entry points, and the design note's layer (gdn_ext.layer) with its backward and token stepping.
+``python -m gdn_ext`` trains a small character-level language model made of these layers.
 
     o, S_T = gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=alpha)
     grads = gdn_ext.gated_delta_rule_backward(do, q, k, v, beta=beta, alpha=alpha)
@@ -10,7 +11,9 @@ Python entry points.
 Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
 Rule", ICLR 2025 (arXiv:2412.06464).
 """
-from . import reference, ufuncs
+from . import layer, reference, ufuncs
+from .layer import (GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward,
+                    gated_deltanet_step, l2norm, rmsnorm)
 from .recurrence import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, checkpoint_interval,
                          gated_delta_rule, gated_delta_rule_backward, gated_delta_rule_step,
                          openmp_enabled)
@@ -18,5 +21,6 @@ from .recurrence import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, checkpoint_i
 __version__ = "0.1.0"
 
 __all__ = ["gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
-           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "reference", "ufuncs",
-           "__version__"]
+           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "GatedDeltaNetParams",
+           "gated_deltanet_forward", "gated_deltanet_backward", "gated_deltanet_step", "rmsnorm",
+           "l2norm", "layer", "reference", "ufuncs", "__version__"]

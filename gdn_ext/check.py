@@ -123,10 +123,10 @@ def _rel(got, want):
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300))
 
 
-def run(seed=0, use_torch=None, out=sys.stdout):
-    """Check every gradient; print the table; return True when all are within tolerance.
-
-    use_torch: None means "when importable"."""
+def run(seed=0, use_torch=None, out=None):
+    """Check every gradient; print the table to ``out`` (default stdout); return True when all
+    are within tolerance. use_torch: None means "when importable"."""
+    out = sys.stdout if out is None else out
     if use_torch is None:
         try:
             import torch  # noqa: F401

@@ -22,7 +22,7 @@ def _windows(ids, starts, T):
     return ids[idx], ids[idx + 1]
 
 
-def train(text, steps=600, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=16, seq_len=128,
+def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=16, seq_len=128,
           lr=3e-3, seed=0, num_threads=None, eval_every=100, sample_len=240, progress=True,
           log=print):
     """Train and evaluate; returns a dict of results (losses, baseline, sample, speed).
@@ -124,7 +124,7 @@ def main(argv=None):
         prog="python -m gdn_ext", description=__doc__,
         epilog="Other commands: 'python -m gdn_ext check' (gradient check of the layer), "
                "'python -m gdn_ext demo' (forward/backward timing on random inputs).")
-    ap.add_argument("--steps", type=_positive, default=600, help="training steps (default 600)")
+    ap.add_argument("--steps", type=_positive, default=800, help="training steps (default 800)")
     ap.add_argument("--d-model", type=_positive, default=128, help="model width D (default 128)")
     ap.add_argument("--layers", type=_positive, default=3, help="Gated DeltaNet layers (default 3)")
     ap.add_argument("--heads", type=_positive, default=4, help="heads per layer (default 4)")
@@ -145,9 +145,13 @@ def main(argv=None):
         text = load_text(a.text)
     except (OSError, UnicodeDecodeError) as exc:
         ap.error(f"--text {a.text}: {exc}")
-    res = train(text, steps=a.steps, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads,
-                d_head=a.head_dim, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
-                num_threads=a.threads, progress=not a.no_progress)
+    # NumPy's BLAS threads spin after each small matmul and fight the kernels' OpenMP threads for
+    # the cores: the model's matmuls are small, so one BLAS thread is faster overall
+    from threadpoolctl import threadpool_limits
+    with threadpool_limits(limits=1, user_api="blas"):
+        res = train(text, steps=a.steps, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads,
+                    d_head=a.head_dim, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
+                    num_threads=a.threads, progress=not a.no_progress)
     val, base = res["val_loss"], res["baseline"]
     print(f"trained {a.steps} steps in {res['seconds']:.0f} s ({res['tokens_per_s']:,.0f} tokens/s)")
     print(f"validation loss {val:.3f} nats/char ({val / math.log(2):.2f} bits/char) vs unigram "
