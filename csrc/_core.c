@@ -56,69 +56,174 @@ static void *alloc_workspace(int nt, size_t len, size_t itemsize)
     return ws;
 }
 
+/* cu_seqlens checked; the longest sequence in *max_len; -1 with ValueError set when bad. */
+static int check_cu(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrdiff_t N, ptrdiff_t NS,
+                    ptrdiff_t T, ptrdiff_t *max_len)
+{
+    int r = gdn_check_cu_seqlens(cu, cu_n, cu_m, N, NS, T, max_len);
+    if (r == -1)
+        raise_from_loop(PyExc_ValueError, "cu_seqlens must start at 0 and end at T, the packed length");
+    else if (r == -2)
+        raise_from_loop(PyExc_ValueError, "cu_seqlens must be non-decreasing");
+    return r < 0 ? -1 : 0;
+}
+
+#define STRIDES_OR_RETURN(dst, src, count, itemsize)                                            \
+    if (elem_strides(dst, src, count, itemsize) < 0) {                                          \
+        raise_from_loop(PyExc_ValueError, "gdn_ext: operand strides must be multiples of the item size"); \
+        return;                                                                                 \
+    }
+
 /*
- * Forward loop. Signature (t,k),(t,k),(t,v),(t),(t),(v,k),()->(t,v),(v,k)
+ * Forward loop, scalar gate. Signature (t,k),(t,k),(t,v),(t),(t),(v,k),()->(t,v),(v,k)
  *   args:       q, k, v, alpha, beta, S_0, scale, o, S_T
  *   dimensions: [N, T, Dk, Dv]
- *   steps:      [9 outer strides, one per operand] then the core strides
- *               q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) o(t,v) S_T(v,k)  -- 14 in all
+ *   steps:      9 outer strides (one per operand), then the core strides
+ *               q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) o(t,v) S_T(v,k)  -- 23 in all
+ * A scalar gate is a per-key gate with key stride 0; one unpacked sequence: cu_seqlens = {0, T}.
  */
 #define DEFINE_FWD_LOOP(SUF, REAL)                                                              \
 static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
 {                                                                                               \
     (void)data;                                                                                 \
-    const ptrdiff_t N = dims[0], T = dims[1], Dk = dims[2], Dv = dims[3];                       \
+    const gdn_sizes sz = {dims[0], dims[1], 1, dims[2], dims[3], 1};                            \
     ptrdiff_t e[23];                                                                            \
-    if (elem_strides(e, steps, 23, sizeof(REAL)) < 0) {                                         \
-        raise_from_loop(PyExc_ValueError, "gdn_ext: operand strides must be multiples of the item size"); \
-        return;                                                                                 \
-    }                                                                                           \
+    STRIDES_OR_RETURN(e, steps, 23, sizeof(REAL))                                               \
     const gdn_fwd_strides st = {                                                                \
         e[0], e[9], e[10],  e[1], e[11], e[12],  e[2], e[13], e[14],                            \
-        e[3], e[15],  e[4], e[16],  e[5], e[17], e[18],  e[6],                                  \
-        e[7], e[19], e[20],  e[8], e[21], e[22]};                                               \
-    const int nt = gdn_threads_for(N, call_threads);                                            \
-    REAL *ws = alloc_workspace(nt, gdn_fwd_workspace_len(T, Dk, Dv), sizeof(REAL));             \
+        e[3], e[15], 0,  e[4], e[16],  e[5], 0, e[17], e[18],  e[6],  0,  0, 1,                 \
+        e[7], e[19], e[20],  e[8], 0, e[21], e[22]};                                            \
+    const int64_t cu[2] = {0, (int64_t)sz.T};                                                   \
+    const REAL no = 0;                                                                          \
+    const int nt = gdn_threads_for(sz.N, call_threads);                                         \
+    REAL *ws = alloc_workspace(nt, gdn_fwd_workspace_len(sz.T, sz.Dk, sz.Dv), sizeof(REAL));    \
     if (ws == NULL) return;                                                                     \
     gdn_forward_##SUF((REAL *)args[7], (REAL *)args[8],                                         \
                       (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],      \
                       (const REAL *)args[3], (const REAL *)args[4], (const REAL *)args[5],      \
-                      (const REAL *)args[6], &st, N, T, Dk, Dv, nt, ws);                        \
+                      (const REAL *)args[6], &no, cu, &st, &sz, nt, ws);                        \
     PyMem_RawFree(ws);                                                                          \
 }
 
 /*
- * Backward loop. Signature (t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k)
+ * Backward loop, scalar gate.
+ * Signature (t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k)
  *   args:       do, q, k, v, alpha, beta, S_0, dS_T, scale, dq, dk, dv, dalpha, dbeta, dS_0
  *   dimensions: [N, T, Dv, Dk]   (core dimensions in order of first appearance: t, v, k)
- *   steps:      [15 outer strides] then the core strides
+ *   steps:      15 outer strides, then the core strides
  *               do(t,v) q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) dS_T(v,k)
- *               dq(t,k) dk(t,k) dv(t,v) dalpha(t) dbeta(t) dS_0(v,k)  -- 24 in all
+ *               dq(t,k) dk(t,k) dv(t,v) dalpha(t) dbeta(t) dS_0(v,k)  -- 39 in all
  */
 #define DEFINE_BWD_LOOP(SUF, REAL)                                                              \
 static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
 {                                                                                               \
     (void)data;                                                                                 \
-    const ptrdiff_t N = dims[0], T = dims[1], Dv = dims[2], Dk = dims[3];                       \
+    const gdn_sizes sz = {dims[0], dims[1], 1, dims[3], dims[2], 1};                            \
     ptrdiff_t e[39];                                                                            \
-    if (elem_strides(e, steps, 39, sizeof(REAL)) < 0) {                                         \
-        raise_from_loop(PyExc_ValueError, "gdn_ext: operand strides must be multiples of the item size"); \
-        return;                                                                                 \
-    }                                                                                           \
+    STRIDES_OR_RETURN(e, steps, 39, sizeof(REAL))                                               \
     const gdn_bwd_strides st = {                                                                \
         e[0], e[15], e[16],  e[1], e[17], e[18],  e[2], e[19], e[20],  e[3], e[21], e[22],      \
-        e[4], e[23],  e[5], e[24],  e[6], e[25], e[26],  e[7], e[27], e[28],  e[8],             \
+        e[4], e[23], 0,  e[5], e[24],  e[6], 0, e[25], e[26],  e[7], 0, e[27], e[28],  e[8],    \
+        0,  0, 1,                                                                               \
         e[9], e[29], e[30],  e[10], e[31], e[32],  e[11], e[33], e[34],                         \
-        e[12], e[35],  e[13], e[36],  e[14], e[37], e[38]};                                     \
-    const int nt = gdn_threads_for(N, call_threads);                                            \
-    REAL *ws = alloc_workspace(nt, gdn_bwd_workspace_len(T, Dk, Dv), sizeof(REAL));             \
+        e[12], e[35], 0,  e[13], e[36],  e[14], 0, e[37], e[38]};                               \
+    const int64_t cu[2] = {0, (int64_t)sz.T};                                                   \
+    const REAL no = 0;                                                                          \
+    const int nt = gdn_threads_for(sz.N, call_threads);                                         \
+    REAL *ws = alloc_workspace(nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv), sizeof(REAL));    \
     if (ws == NULL) return;                                                                     \
     gdn_backward_##SUF((REAL *)args[9], (REAL *)args[10], (REAL *)args[11], (REAL *)args[12],   \
                        (REAL *)args[13], (REAL *)args[14],                                      \
                        (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],     \
                        (const REAL *)args[3], (const REAL *)args[4], (const REAL *)args[5],     \
                        (const REAL *)args[6], (const REAL *)args[7], (const REAL *)args[8],     \
-                       &st, N, T, Dk, Dv, nt, ws);                                              \
+                       &no, cu, &st, &sz, nt, ws);                                              \
+    PyMem_RawFree(ws);                                                                          \
+}
+
+/*
+ * Forward loop, general: per-key gate, in-kernel q/k normalisation, packed sequences.
+ * Signature (t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m)->(t,v),(n,v,k)
+ *   args:       q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens (int64), o, S_T
+ *   dimensions: [N, T, Dk, Dv, NS, M = NS + 1]
+ *   steps:      11 outer strides, then the core strides
+ *               q(t,k) k(t,k) v(t,v) alpha(t,k) beta(t) S_0(n,v,k) cu(m) o(t,v) S_T(n,v,k) -- 29
+ */
+#define DEFINE_GEN_FWD_LOOP(SUF, REAL)                                                          \
+static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,        \
+                               void *data)                                                      \
+{                                                                                               \
+    (void)data;                                                                                 \
+    const gdn_sizes sz = {dims[0], dims[1], dims[4], dims[2], dims[3], 0};                      \
+    ptrdiff_t e[29], c[2];                                                                      \
+    if (dims[5] != dims[4] + 1) {                                                               \
+        raise_from_loop(PyExc_ValueError, "cu_seqlens must have one more entry than there are "  \
+                        "sequences (initial_state's sequence axis)");                           \
+        return;                                                                                 \
+    }                                                                                           \
+    STRIDES_OR_RETURN(e, steps, 29, sizeof(REAL))                                               \
+    npy_intp cs[2] = {steps[8], steps[23]};                                                     \
+    STRIDES_OR_RETURN(c, cs, 2, sizeof(int64_t))                                                \
+    const gdn_fwd_strides st = {                                                                \
+        e[0], e[11], e[12],  e[1], e[13], e[14],  e[2], e[15], e[16],  e[3], e[17], e[18],      \
+        e[4], e[19],  e[5], e[20], e[21], e[22],  e[6],  e[7],  c[0], c[1],                     \
+        e[9], e[24], e[25],  e[10], e[26], e[27], e[28]};                                       \
+    ptrdiff_t max_len = 0;                                                                      \
+    if (check_cu((const int64_t *)args[8], c[0], c[1], sz.N, sz.NS, sz.T, &max_len) < 0) return; \
+    const int nt = gdn_threads_for(sz.N * sz.NS, call_threads);                                 \
+    REAL *ws = alloc_workspace(nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv), sizeof(REAL)); \
+    if (ws == NULL) return;                                                                     \
+    gdn_forward_##SUF((REAL *)args[9], (REAL *)args[10],                                        \
+                      (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],      \
+                      (const REAL *)args[3], (const REAL *)args[4], (const REAL *)args[5],      \
+                      (const REAL *)args[6], (const REAL *)args[7], (const int64_t *)args[8],   \
+                      &st, &sz, nt, ws);                                                        \
+    PyMem_RawFree(ws);                                                                          \
+}
+
+/*
+ * Backward loop, general.
+ * Signature (t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m)
+ *           ->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)
+ *   args:       do, q, k, v, alpha, beta, S_0, dS_T, scale, normalize_qk, cu_seqlens,
+ *               dq, dk, dv, dalpha, dbeta, dS_0
+ *   dimensions: [N, T, Dv, Dk, NS, M = NS + 1]
+ *   steps:      17 outer strides, then the core strides
+ *               do(t,v) q(t,k) k(t,k) v(t,v) alpha(t,k) beta(t) S_0(n,v,k) dS_T(n,v,k) cu(m)
+ *               dq(t,k) dk(t,k) dv(t,v) dalpha(t,k) dbeta(t) dS_0(n,v,k)  -- 47 in all
+ */
+#define DEFINE_GEN_BWD_LOOP(SUF, REAL)                                                          \
+static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,        \
+                               void *data)                                                      \
+{                                                                                               \
+    (void)data;                                                                                 \
+    const gdn_sizes sz = {dims[0], dims[1], dims[4], dims[3], dims[2], 0};                      \
+    ptrdiff_t e[47], c[2];                                                                      \
+    if (dims[5] != dims[4] + 1) {                                                               \
+        raise_from_loop(PyExc_ValueError, "cu_seqlens must have one more entry than there are "  \
+                        "sequences (initial_state's sequence axis)");                           \
+        return;                                                                                 \
+    }                                                                                           \
+    STRIDES_OR_RETURN(e, steps, 47, sizeof(REAL))                                               \
+    npy_intp cs[2] = {steps[10], steps[34]};                                                    \
+    STRIDES_OR_RETURN(c, cs, 2, sizeof(int64_t))                                                \
+    const gdn_bwd_strides st = {                                                                \
+        e[0], e[17], e[18],  e[1], e[19], e[20],  e[2], e[21], e[22],  e[3], e[23], e[24],      \
+        e[4], e[25], e[26],  e[5], e[27],  e[6], e[28], e[29], e[30],                           \
+        e[7], e[31], e[32], e[33],  e[8],  e[9],  c[0], c[1],                                   \
+        e[11], e[35], e[36],  e[12], e[37], e[38],  e[13], e[39], e[40],                        \
+        e[14], e[41], e[42],  e[15], e[43],  e[16], e[44], e[45], e[46]};                       \
+    ptrdiff_t max_len = 0;                                                                      \
+    if (check_cu((const int64_t *)args[10], c[0], c[1], sz.N, sz.NS, sz.T, &max_len) < 0) return; \
+    const int nt = gdn_threads_for(sz.N * sz.NS, call_threads);                                 \
+    REAL *ws = alloc_workspace(nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv), sizeof(REAL)); \
+    if (ws == NULL) return;                                                                     \
+    gdn_backward_##SUF((REAL *)args[11], (REAL *)args[12], (REAL *)args[13], (REAL *)args[14],  \
+                       (REAL *)args[15], (REAL *)args[16],                                      \
+                       (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],     \
+                       (const REAL *)args[3], (const REAL *)args[4], (const REAL *)args[5],     \
+                       (const REAL *)args[6], (const REAL *)args[7], (const REAL *)args[8],     \
+                       (const REAL *)args[9], (const int64_t *)args[10], &st, &sz, nt, ws);     \
     PyMem_RawFree(ws);                                                                          \
 }
 
@@ -126,24 +231,31 @@ DEFINE_FWD_LOOP(f32, float)
 DEFINE_FWD_LOOP(f64, double)
 DEFINE_BWD_LOOP(f32, float)
 DEFINE_BWD_LOOP(f64, double)
+DEFINE_GEN_FWD_LOOP(f32, float)
+DEFINE_GEN_FWD_LOOP(f64, double)
+DEFINE_GEN_BWD_LOOP(f32, float)
+DEFINE_GEN_BWD_LOOP(f64, double)
 
 /* The gufunc table: one entry per operation, float32 then float64 loops (NumPy picks the first loop
  * its casting rules allow, so float16 and small ints run in float32, other ints in float64). */
 static PyUFuncGenericFunction fwd_funcs[] = {fwd_loop_f32, fwd_loop_f64};
 static PyUFuncGenericFunction bwd_funcs[] = {bwd_loop_f32, bwd_loop_f64};
+static PyUFuncGenericFunction gen_fwd_funcs[] = {gen_fwd_loop_f32, gen_fwd_loop_f64};
+static PyUFuncGenericFunction gen_bwd_funcs[] = {gen_bwd_loop_f32, gen_bwd_loop_f64};
 static void *no_data[] = {NULL, NULL};
-static const char fwd_types[] = {
-    NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT, NPY_FLOAT,
-    NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE, NPY_DOUBLE,
-    NPY_DOUBLE};
-static const char bwd_types[] = {
 #define F NPY_FLOAT
-    F, F, F, F, F, F, F, F, F, F, F, F, F, F, F,
-#undef F
 #define D NPY_DOUBLE
-    D, D, D, D, D, D, D, D, D, D, D, D, D, D, D,
+#define I NPY_INT64
+static const char fwd_types[] = {F, F, F, F, F, F, F, F, F,  D, D, D, D, D, D, D, D, D};
+static const char bwd_types[] = {F, F, F, F, F, F, F, F, F, F, F, F, F, F, F,
+                                 D, D, D, D, D, D, D, D, D, D, D, D, D, D, D};
+static const char gen_fwd_types[] = {F, F, F, F, F, F, F, F, I, F, F,
+                                     D, D, D, D, D, D, D, D, I, D, D};
+static const char gen_bwd_types[] = {F, F, F, F, F, F, F, F, F, F, I, F, F, F, F, F, F,
+                                     D, D, D, D, D, D, D, D, D, D, I, D, D, D, D, D, D};
+#undef F
 #undef D
-};
+#undef I
 
 typedef struct {
     const char *name;
@@ -169,6 +281,18 @@ static const gufunc_descriptor gufuncs[] = {
      "Backward over time of gated_delta_rule_fwd, with states recomputed from checkpoints.\n"
      "Signature (t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k).\n"
      "See gdn_ext.ufuncs."},
+    {"gated_delta_rule_general_fwd", gen_fwd_funcs, gen_fwd_types, 9, 2,
+     "(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m)->(t,v),(n,v,k)",
+     "gated_delta_rule_general_fwd(q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens, /,\n"
+     "    out=None, **kwargs) -> (o, S_T)\n\n"
+     "Forward with a per-key gate alpha [t, k], optional in-kernel q/k L2 normalisation\n"
+     "(normalize_qk != 0) and n sequences packed along t (cu_seqlens int64 [n + 1]).\n"
+     "See gdn_ext.ufuncs."},
+    {"gated_delta_rule_general_bwd", gen_bwd_funcs, gen_bwd_types, 11, 6,
+     "(t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m)->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)",
+     "gated_delta_rule_general_bwd(do, q, k, v, alpha, beta, S_0, dS_T, scale, normalize_qk,\n"
+     "    cu_seqlens, /, out=None, **kwargs) -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
+     "Backward of gated_delta_rule_general_fwd. See gdn_ext.ufuncs."},
 };
 
 static PyObject *py_openmp_enabled(PyObject *self, PyObject *noargs)

@@ -3,6 +3,7 @@
  * The kernel pair is written once in gdn_recurrent.inc and instantiated here per precision.
  */
 #include <fenv.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include "gdn.h"
@@ -42,19 +43,36 @@ static size_t mul_add(size_t a, size_t b, size_t c)
 size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     (void)T;
-    /* S + k_t + q_t */
-    return mul_add((size_t)Dv + 2, (size_t)Dk, 0);
+    /* S + q_t, k_t, alpha_t, alpha_t k_t */
+    return mul_add((size_t)Dv + 4, (size_t)Dk, 0);
 }
 
 size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     const ptrdiff_t C = gdn_checkpoint_interval(T);
     const ptrdiff_t nseg = T > 0 ? (T + C - 1) / C : 0;
-    /* checkpoints + (C + 1) segment states + G, (v - p) per step, four Dk vectors, one Dv vector */
+    /* checkpoints + (C + 1) segment states + G, (v - p) per step + do_t, seven Dk vectors */
     size_t states = mul_add((size_t)(nseg + C + 2), (size_t)Dv, 0);
-    size_t vectors = mul_add((size_t)C + 1, (size_t)Dv, 4 * (size_t)Dk);
+    size_t vectors = mul_add((size_t)C + 1, (size_t)Dv, 7 * (size_t)Dk);
     if (states == SIZE_MAX || vectors == SIZE_MAX) return SIZE_MAX;
     return mul_add(states, (size_t)Dk, vectors);
+}
+
+int gdn_check_cu_seqlens(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrdiff_t N,
+                         ptrdiff_t NS, ptrdiff_t T, ptrdiff_t *max_len)
+{
+    ptrdiff_t longest = 0;
+    for (ptrdiff_t n = 0; n < N; n++) {
+        const int64_t *c = cu + n * cu_n;
+        if (c[0] != 0 || c[NS * cu_m] != T) return -1;
+        for (ptrdiff_t s = 0; s < NS; s++) {
+            const int64_t len = c[(s + 1) * cu_m] - c[s * cu_m];
+            if (len < 0) return -2;
+            if (len > longest) longest = (ptrdiff_t)len;
+        }
+    }
+    *max_len = longest;
+    return 0;
 }
 
 int gdn_threads_for(ptrdiff_t N, int num_threads)
@@ -88,14 +106,20 @@ int gdn_openmp_enabled(void)
  * raised again on the calling thread, so warnings do not depend on the thread count. */
 #define GDN_FE_FLAGS (FE_DIVBYZERO | FE_OVERFLOW | FE_INVALID | FE_UNDERFLOW)
 
+#define GDN_L2_EPS 1e-6   /* q, k normalisation: x / sqrt(sum x^2 + eps) */
+
 #define REAL double
 #define SFX(name) name##_f64
+#define GDN_SQRT sqrt
 #include "gdn_recurrent.inc"
 #undef REAL
 #undef SFX
+#undef GDN_SQRT
 
 #define REAL float
 #define SFX(name) name##_f32
+#define GDN_SQRT sqrtf
 #include "gdn_recurrent.inc"
 #undef REAL
 #undef SFX
+#undef GDN_SQRT

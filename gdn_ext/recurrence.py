@@ -41,82 +41,194 @@ def checkpoint_interval(T):
 
 
 class _Problem:
-    """Inputs checked and viewed in the kernels' layout: loop dimensions (B, H) first, time next."""
+    """Inputs checked, then viewed in the kernels' layout (no copies).
 
-    def __init__(self, q, k, v, beta, alpha, g, initial_state, scale, extra=()):
-        q = as_real_array(q, "q")
+    Loop dimensions are (B, H, G): batch, query/key head, value head within its group
+    (HV = H * G value heads; value head hv reads query/key head hv // G). Time comes next. The
+    plain case (scalar gate, no normalisation, not packed) runs the scalar-gate ufunc pair; the rest
+    runs the general pair, whose states carry a sequence axis NS (1 unless packed).
+    ``step=True`` checks the one-token shapes of gated_delta_rule_step instead (no T axis)."""
+
+    def __init__(self, q, k, v, beta, alpha, g, initial_state, scale, normalize_qk=False,
+                 cu_seqlens=None, extra=(), step=False):
+        sfx = "_t" if step else ""
+        nq, nk, nv = "q" + sfx, "k" + sfx, "v" + sfx
+        st_name = "state" if step else "initial_state"
+
+        def lay(*dims):
+            return "[" + ", ".join(d for d in dims if not (step and d == "T")) + "]"
+
+        q = as_real_array(q, nq)
+        if step:
+            q = q[:, None] if q.ndim in (2, 3) else q[None, None]
         if q.ndim == 4:
             self.single_head = False
-            B, T, H, Dk = q.shape
         elif q.ndim == 3:
             self.single_head = True
-            B, T, Dk = q.shape
-            H = 1
         else:
-            raise ValueError("q must have shape [B, T, H, Dk] (or [B, T, Dk], the single-head form); "
-                             f"got {q.ndim} dimensions, shape {list(q.shape)}")
-        k = as_real_array(k, "k")
-        v = as_real_array(v, "v")
+            raise ValueError(f"{nq} must have shape {lay('B', 'T', 'H', 'Dk')} (or "
+                             f"{lay('B', 'T', 'Dk')}, the single-head form); got shape "
+                             f"{list(q.shape[1:] if step else q.shape)}".replace("[1, ", "["))
+        sh = self.single_head
+        k = as_real_array(k, nk)
+        v = as_real_array(v, nv)
         beta = as_real_array(beta, "beta")
+        if step:
+            k, v, beta = k[:, None], v[:, None], beta[:, None]
         if (alpha is None) == (g is None):
             raise ValueError("give exactly one of alpha (decay in [0, 1]) and g (log decay, "
                              "alpha = exp(g)); got " + ("both" if alpha is not None else "neither"))
         self.gate_name = "alpha" if alpha is not None else "g"
         gate = as_real_array(alpha if alpha is not None else g, self.gate_name)
-        s0 = None if initial_state is None else as_real_array(initial_state, "initial_state")
+        if step:
+            gate = gate[:, None]
+        s0 = None if initial_state is None else as_real_array(initial_state, st_name)
         self.scale = real_scalar(scale, "scale")
+        self.normalize_qk = flag(normalize_qk, "normalize_qk")
 
-        sh = self.single_head
-        lay_qk = "[B, T, Dk]" if sh else "[B, T, H, Dk]"
-        expect_shape(k, "k", q.shape, lay_qk + " (the shape of q)")
-        if v.ndim != q.ndim or v.shape[:-1] != q.shape[:-1]:
-            want = (B, T, "Dv") if sh else (B, T, H, "Dv")
-            raise ValueError(f"v must have shape {'[B, T, Dv]' if sh else '[B, T, H, Dv]'} = "
-                             f"[{', '.join(map(str, want))}]; got {list(v.shape)}")
-        Dv = v.shape[-1]
-        self.gate_shape = self.beta_shape = None
-        gate_lay = "[B, T] or [B, T, 1]" if sh else "[B, T, H]"
-        gate_want = (B, T) if sh else (B, T, H)
-        for name, a in ((self.gate_name, gate), ("beta", beta)):
-            ok = a.shape == gate_want or (sh and a.shape == (B, T, 1))
-            if not ok:
-                raise ValueError(f"{name} must have shape {gate_lay} = {list(gate_want)}; "
-                                 f"got {list(a.shape)}")
+        def user(shape):    # a shape as the user sees it (no T axis for the step API)
+            return list(shape[:1]) + list(shape[2:]) if step else list(shape)
+
+        if sh:  # the design note's single-head form is H = HV = 1
+            q, k, v = q[:, :, None], k[:, :, None], v[:, :, None]
+        B, T, H, Dk = q.shape
+        q_lay = lay("B", "T", "Dk") if sh else lay("B", "T", "H", "Dk")
+        q_user = user(q.shape[:2] + q.shape[3:] if sh else q.shape)
+        if k.shape != q.shape:
+            raise ValueError(f"{nk} must have shape {q_lay} (the shape of {nq}) = {q_user}; got "
+                             f"{user(k.shape[:2] + k.shape[3:] if sh else k.shape)}")
+        v_user = user(v.shape[:2] + v.shape[3:] if sh else v.shape)
+        if v.ndim != 4 or v.shape[:2] != (B, T) or (sh and v.shape[2] != 1):
+            want = user([B, T, "Dv"] if sh else [B, T, H, "Dv"])
+            raise ValueError(f"{nv} must have shape "
+                             f"{lay('B', 'T', 'Dv') if sh else lay('B', 'T', 'H', 'Dv')} = "
+                             f"[{', '.join(map(str, want))}]; got {v_user}")
+        if v.shape[2] % H:
+            want = ", ".join(map(str, user([B, T, H, "Dv"])))
+            raise ValueError(f"{nv} must have shape {lay('B', 'T', 'H', 'Dv')} = [{want}], or "
+                             f"{lay('B', 'T', 'HV', 'Dv')} "
+                             f"with HV a multiple of H = {H} (grouped value heads: value head hv "
+                             f"reads query/key head hv // (HV / H)); got {v_user}")
+        HV, Dv = v.shape[2], v.shape[3]
+        G = HV // H
+        heads = "" if sh else "HV" if HV != H else "H"
+
+        # gate and beta: [B, T, HV] (single head: [B, T] or [B, T, 1]); gate also [B, T, HV, Dk]
         self.gate_shape, self.beta_shape = gate.shape, beta.shape
-        if s0 is not None:
-            expect_shape(s0, "initial_state", (B, Dv, Dk) if sh else (B, H, Dv, Dk),
-                         "[B, Dv, Dk]" if sh else "[B, H, Dv, Dk]")
+        scalar_shapes = {(B, T), (B, T, 1)} if sh else {(B, T, HV)}
+        key_shape = (B, T, Dk) if sh else (B, T, HV, Dk)
+        if beta.shape not in scalar_shapes:
+            raise ValueError(f"beta must have shape "
+                             f"{lay('B', 'T') + ' or ' + lay('B', 'T', '1') if sh else lay('B', 'T', heads)}"
+                             f" = {user((B, T) if sh else (B, T, HV))}; got {user(beta.shape)}")
+        self.per_key = gate.shape == key_shape and gate.shape not in scalar_shapes
+        if gate.shape not in scalar_shapes and not self.per_key:
+            scal = lay("B", "T") + " or " + lay("B", "T", "1") if sh else lay("B", "T", heads)
+            per = lay("B", "T", "Dk") if sh else lay("B", "T", heads, "Dk")
+            raise ValueError(f"{self.gate_name} must have shape {scal} = "
+                             f"{user((B, T) if sh else (B, T, HV))} (one gate per head) or {per} = "
+                             f"{user(key_shape)} (one per key channel); got {user(gate.shape)}")
 
-        self.B, self.T, self.H, self.Dk, self.Dv = B, T, H, Dk, Dv
+        # packed sequences
+        if cu_seqlens is not None:
+            cu = np.asarray(cu_seqlens)
+            if cu.dtype.kind not in "iu":
+                raise TypeError(f"cu_seqlens must be an integer array [N + 1]; got dtype {cu.dtype}")
+            if cu.ndim != 1 or cu.size < 2:
+                raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got "
+                                 f"{list(cu.shape)}")
+            if B != 1:
+                raise ValueError(f"cu_seqlens packs sequences along T, so B must be 1; got B = {B}")
+            if cu[0] != 0:
+                raise ValueError(f"cu_seqlens must start at 0; got {int(cu[0])}")
+            if np.any(np.diff(cu.astype(np.int64)) < 0):
+                raise ValueError(f"cu_seqlens must be non-decreasing; got {cu.tolist()}")
+            if cu[-1] != T:
+                raise ValueError(f"cu_seqlens must end at T = {T}, the packed length; got "
+                                 f"{int(cu[-1])}")
+            self.cu = cu.astype(np.int64)
+            NS = cu.size - 1
+        else:
+            self.cu = np.array([0, T], np.int64)
+            NS = 1
+        self.packed = cu_seqlens is not None
+        self.general = self.per_key or self.normalize_qk or self.packed
+
+        if sh:
+            self.state_shape = (B, Dv, Dk)
+            st_lay = lay("B", "Dv", "Dk")
+        elif self.packed:
+            self.state_shape = (NS, HV, Dv, Dk)
+            st_lay = f"[N, {heads}, Dv, Dk]"
+        else:
+            self.state_shape = (B, HV, Dv, Dk)
+            st_lay = f"[B, {heads}, Dv, Dk]"
+        self.state_layout = st_lay
+        if s0 is not None:
+            expect_shape(s0, st_name, self.state_shape, st_lay)
+
+        self.B, self.T, self.H, self.G, self.HV, self.Dk, self.Dv, self.NS = \
+            B, T, H, G, HV, Dk, Dv, NS
         arrays = [q, k, v, beta, gate] + ([s0] if s0 is not None else []) + list(extra)
         self.dtype = dt = compute_dtype(arrays)
-        self.state_shape = (B, Dv, Dk) if sh else (B, H, Dv, Dk)
-        self.q, self.k, self.v = (self._seq(x, Dk_or_Dv) for x, Dk_or_Dv in
-                                  ((q, Dk), (k, Dk), (v, Dv)))
-        gate = gate.reshape(B, T, H)
+        self.q, self.k = self.qk_view(q), self.qk_view(k)
+        self.v = self.seq_view(v.reshape(B, T, HV, Dv))
         if self.gate_name == "g":
             gate = np.exp(gate.astype(dt, copy=False))
-        self.alpha = gate.transpose(0, 2, 1)        # [B, H, T]
-        self.beta = beta.reshape(B, T, H).transpose(0, 2, 1)
-        if s0 is None:
-            self.S0 = np.zeros((1, 1, Dv, Dk), dt)  # broadcast over (B, H) by the gufunc
-        else:
-            self.S0 = s0.reshape(B, H, Dv, Dk)
+        gate = gate.reshape((B, T, HV, Dk) if self.per_key else (B, T, HV))
+        self.alpha = self.seq_view(gate) if self.per_key else self.head_view(gate)
+        if self.general and not self.per_key:   # the general ufunc reads [.., T, Dk]: key stride 0
+            self.alpha = np.broadcast_to(self.alpha[..., None], self.alpha.shape + (Dk,))
+        self.beta = self.head_view(beta.reshape(B, T, HV))
+        self.S0 = self.zero_state() if s0 is None else self.state_view(s0)
 
-    def _seq(self, x, D):
-        """[B, T, H, D] (or [B, T, D]) -> a [B, H, T, D] view."""
-        return x.reshape(self.B, self.T, self.H, D).transpose(0, 2, 1, 3)
+    def qk_view(self, x):
+        """[B, T, H, Dk] -> [B, H, 1, T, Dk] (broadcast over the G value heads of a group)."""
+        return x.transpose(0, 2, 1, 3)[:, :, None]
 
-    def seq_empty(self, D):
-        """A new [B, T, H, D] array (user layout) and its [B, H, T, D] view for the kernel."""
-        a = np.empty((self.B, self.T, self.H, D), self.dtype)
-        return a, a.transpose(0, 2, 1, 3)
+    def seq_view(self, x):
+        """[B, T, HV, D] -> [B, H, G, T, D]."""
+        B, T, _, D = x.shape
+        return x.reshape(B, T, self.H, self.G, D).transpose(0, 2, 3, 1, 4)
+
+    def head_view(self, x):
+        """[B, T, HV] -> [B, H, G, T]."""
+        return x.reshape(x.shape[0], self.T, self.H, self.G).transpose(0, 2, 3, 1)
+
+    def zero_state(self):
+        """Zeros for S_0 or dS_T, broadcast over every (sequence, head) by the ufunc."""
+        return np.zeros((1, 1, 1) + ((1,) if self.general else ()) + (self.Dv, self.Dk), self.dtype)
+
+    def state_view(self, S):
+        """A state in the user's shape -> [B, H, G, (NS,) Dv, Dk]. The general ufunc's states have
+        the sequence axis NS."""
+        Dv, Dk = self.Dv, self.Dk
+        if self.packed:                                # [N, HV, ...] -> [1, H, G, N, ...]
+            return S.reshape(self.NS, self.H, self.G, Dv, Dk).transpose(1, 2, 0, 3, 4)[None]
+        S = S.reshape(self.B, self.H, self.G, Dv, Dk)
+        return S[:, :, :, None] if self.general else S
+
+    def new_seq(self, D):
+        """A new [B, T, HV, D] array (user layout) and its kernel view [B, H, G, T, D]."""
+        B, T = self.B, self.T
+        a = np.empty((B, T, self.HV, D), self.dtype)
+        return a, self.seq_view(a)
+
+    def new_state(self):
+        a = np.empty(self.state_shape, self.dtype)
+        return a, self.state_view(a)
 
     def user_seq(self, a):
+        """[B, T, H or HV, D] -> the user's form ([B, T, D] for the single-head form)."""
         return a[:, :, 0, :] if self.single_head else a
 
-    def user_state(self, a):
-        return a.reshape(self.state_shape)
+    def ufunc_args(self):
+        """Inputs of the forward ufunc after (q, k, v, alpha, beta, S_0, scale)."""
+        return (dtype_scalar(self.normalize_qk, self.dtype), self.cu) if self.general else ()
+
+
+def dtype_scalar(x, dt):
+    return np.asarray(x, dt)
 
 
 def _call(ufunc, args, out, num_threads):
@@ -127,33 +239,48 @@ def _call(ufunc, args, out, num_threads):
         _core._set_call_threads(prev)
 
 
+def _forward(p, num_threads):
+    """Run the forward of a checked problem; returns (o [B, T, HV, Dv], S_T in the state shape)."""
+    o, o_k = p.new_seq(p.Dv)
+    S_T, S_T_k = p.new_state()
+    ufunc = _core.gated_delta_rule_general_fwd if p.general else _core.gated_delta_rule_fwd
+    _call(ufunc, (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args(),
+          (o_k, S_T_k), num_threads)
+    return o, S_T
+
+
 def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
-                     output_final_state=True, num_threads=None):
+                     output_final_state=True, num_threads=None, normalize_qk=False,
+                     cu_seqlens=None):
     """The gated delta rule recurrence (Gated DeltaNet's token mixer), computed in C.
 
-    For each sequence b and head h, with state S of shape [Dv, Dk] and t = 1..T::
+    For each sequence and value head, with state S of shape [Dv, Dk] and t = 1..T::
 
-        p_t = alpha_t S_{t-1} k_t                   (what the gated memory returns for k_t)
-        u_t = beta_t (v_t - p_t)                    (delta rule: write only the correction)
-        S_t = alpha_t S_{t-1} + u_t k_t^T
-        o_t = scale * S_t q_t                       (read the updated state)
+        p_t = S_{t-1} D_t k_t                    (what the gated memory returns for k_t)
+        u_t = beta_t (v_t - p_t)                 (delta rule: write only the correction)
+        S_t = S_{t-1} D_t + u_t k_t^T            (D_t = alpha_t I, or diag(alpha_t) per key)
+        o_t = scale * S_t q_t                    (read the updated state)
 
     Parameters
     ----------
     q, k : array [B, T, H, Dk]
-        Queries and keys. The single-head form of the design note, [B, T, Dk], is accepted too,
-        and then every result is returned in that form.
-    v : array [B, T, H, Dv]  (single-head: [B, T, Dv])
-    beta : array [B, T, H]  (single-head: [B, T] or [B, T, 1]), keyword-only
+        Queries and keys (H query/key heads). The design note's single-head form, [B, T, Dk], is
+        accepted too, and then every result is returned in that form.
+    v : array [B, T, HV, Dv]  (single-head: [B, T, Dv])
+        Values. HV must be a multiple of H: value head hv reads query/key head hv // (HV / H)
+        (grouped order, as flash-linear-attention and transformers); HV = H is the usual case.
+    beta : array [B, T, HV]  (single-head: [B, T] or [B, T, 1]), keyword-only
         Write strength (the design note's ``eta``), usually in [0, 1].
-    alpha : array [B, T, H]  (single-head: [B, T] or [B, T, 1]), optional
+    alpha : array [B, T, HV] or [B, T, HV, Dk]  (single-head: [B, T], [B, T, 1] or [B, T, Dk])
         Decay, the fraction of the old state kept at each step, in [0, 1] (the design note's
-        ``gate``). Exactly one of ``alpha`` and ``g`` must be given.
-    g : array, same shape as alpha, optional
+        ``gate``): one per head, or one per key channel (D_t = diag(alpha_t), the gating of Gated
+        Linear Attention and Kimi Delta Attention). The shape picks the variant. Exactly one of
+        ``alpha`` and ``g`` must be given.
+    g : array, same shapes as alpha
         Log decay (natural log, <= 0): alpha = exp(g); g = -inf means alpha = 0.
-    initial_state : array [B, H, Dv, Dk]  (single-head: [B, Dv, Dk]), optional
+    initial_state : array [B, HV, Dv, Dk]  (single-head: [B, Dv, Dk]; packed: [N, HV, Dv, Dk])
         S_0; zeros when None. Rows index the value dimension, columns the key dimension
-        (the transpose of flash-linear-attention's [B, H, Dk, Dv]).
+        (the transpose of flash-linear-attention's [.., Dk, Dv]).
     scale : float, default 1.0
         Read-out scale s (finite). The design note has none; flash-linear-attention uses Dk**-0.5.
     output_final_state : bool, default True
@@ -161,12 +288,20 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     num_threads : int or None
         OpenMP threads for the loop over (sequence, head) pairs. None uses OpenMP's default, which
         ``OMP_NUM_THREADS`` and threadpoolctl control. Results do not depend on it (bitwise).
-        At most B*H threads are used, and at most 4 per processor.
+        At most one thread per pair is used, and at most 4 per processor.
+    normalize_qk : bool, default False
+        L2-normalise q and k inside the kernel, ``x / sqrt(sum(x**2) + 1e-6)`` (epsilon inside the
+        root, as flash-linear-attention's ``use_qk_l2norm_in_kernel``); gradients flow to the raw
+        q and k.
+    cu_seqlens : int array [N + 1], optional
+        Packed variable-length batch (the FlashAttention convention): B must be 1 and sequence n
+        is tokens cu_seqlens[n] .. cu_seqlens[n+1] - 1, starting from initial_state[n] and ending in
+        S_T[n]; no state crosses a boundary. cu_seqlens starts at 0, never decreases, ends at T.
 
     Returns
     -------
-    o : ndarray [B, T, H, Dv]  (single-head: [B, T, Dv])
-    S_T : ndarray [B, H, Dv, Dk]  (single-head: [B, Dv, Dk]), or None
+    o : ndarray [B, T, HV, Dv]  (single-head: [B, T, Dv])
+    S_T : ndarray, the shape of initial_state ([B, HV, Dv, Dk]; packed: [N, HV, Dv, Dk]), or None
 
     Both are float32 when every input casts safely to float32 (float32, float16, small ints) and
     float64 otherwise, computed in that precision, as a NumPy ufunc would choose (dtypes that do
@@ -177,52 +312,59 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     ------
     TypeError
         An input that is not a real array (complex, object, strings, masked arrays), a non-scalar
-        scale, a num_threads that is not an int, an output_final_state that is not a bool.
+        scale, a num_threads that is not an int, a flag that is not a bool, a cu_seqlens that is
+        not an integer array.
     ValueError
         Wrong ranks or mismatched sizes (the message names the argument and the expected shape),
-        both or neither of alpha and g, a non-finite scale, num_threads < 1.
+        HV not a multiple of H, both or neither of alpha and g, a non-finite scale,
+        num_threads < 1, a cu_seqlens that does not start at 0, decreases, does not end at T, or
+        comes with B != 1.
 
     Notes
     -----
-    Cost: about 7*Dk*Dv flops per token and head. Parallel over the B*H (sequence, head) pairs
-    with the GIL released. The raw ufunc is ``gdn_ext.ufuncs.gated_delta_rule_fwd``.
+    Cost: about 7*Dk*Dv flops per token and value head. Parallel over the (sequence, head) pairs
+    with the GIL released. The raw ufuncs are in ``gdn_ext.ufuncs``.
 
     Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
-    Rule", ICLR 2025 (arXiv:2412.06464), section 3 (the gated delta rule).
+    Rule", ICLR 2025 (arXiv:2412.06464), section 3 (the gated delta rule); per-key gates as in
+    S. Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient Training",
+    ICML 2024 (arXiv:2312.06635).
     """
     nt = thread_count(num_threads)
     output_final_state = flag(output_final_state, "output_final_state")
-    p = _Problem(q, k, v, beta, alpha, g, initial_state, scale)
-    o, o_k = p.seq_empty(p.Dv)
-    S_T = np.empty((p.B, p.H, p.Dv, p.Dk), p.dtype)
-    _call(_core.gated_delta_rule_fwd,
-          (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale), (o_k, S_T), nt)
-    return p.user_seq(o), (p.user_state(S_T) if output_final_state else None)
+    p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens)
+    o, S_T = _forward(p, nt)
+    return p.user_seq(o), (S_T if output_final_state else None)
 
 
 def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
-                              dS_T=None, scale=1.0, num_threads=None):
+                              dS_T=None, scale=1.0, num_threads=None, normalize_qk=False,
+                              cu_seqlens=None):
     """Gradients of :func:`gated_delta_rule` (backpropagation through time, in C).
 
     Given ``do`` = dL/do and ``dS_T`` = dL/dS_T, returns dL/d(every input). Walks t = T..1 with
     G = dL/dS_t (derived by hand from the forward; see the README, "The backward pass")::
 
-        G += s do_t q_t^T;  dq_t = s S_t^T do_t;  du = G k_t;  dk_t = G^T u_t + alpha_t S_{t-1}^T dp
+        G += s do_t q_t^T;  dq_t = s S_t^T do_t;  du = G k_t;  dk_t = G^T u_t + D_t S_{t-1}^T dp
         dbeta_t = du . (v_t - p_t);  dv_t = beta_t du;  dp = -beta_t du
-        G~ = G + dp k_t^T;  dalpha_t = sum(G~ * S_{t-1});  G = alpha_t G~   ->  dS_0 = G
+        G~ = G + dp k_t^T;  dalpha_t = sum_i G~_i. * S_{t-1},i.;  G = G~ D_t   ->  dS_0 = G
+
+    (summed over the key channels for a scalar gate; through the L2 normalisation to the raw q, k
+    when normalize_qk; over the value heads of a group for dq, dk).
 
     Memory: the states are not stored. The backward reruns the recurrence once keeping S every
     C = ceil(sqrt(T)) steps, then recomputes one segment of C states at a time, so each thread
     holds (ceil(T/C) + C + 2) * Dv * Dk numbers (plus O(C*Dv + Dk)) -- O(sqrt(T) * Dk * Dv), never
-    T * Dk * Dv -- besides the gradients themselves. Cost: about 3.5x the forward.
+    T * Dk * Dv -- besides the gradients themselves (and, with grouped value heads, one
+    [B, T, HV, Dk] partial sum of dq and dk). Cost: about 3.5x the forward.
 
     Parameters
     ----------
-    do : array [B, T, H, Dv]  (single-head: [B, T, Dv])
+    do : array [B, T, HV, Dv]  (single-head: [B, T, Dv])
         Gradient of the loss with respect to o.
-    q, k, v, beta, alpha, g, initial_state, scale, num_threads
+    q, k, v, beta, alpha, g, initial_state, scale, num_threads, normalize_qk, cu_seqlens
         As for :func:`gated_delta_rule` (same shapes, same rules).
-    dS_T : array [B, H, Dv, Dk]  (single-head: [B, Dv, Dk]), optional
+    dS_T : array, the shape of the final state, optional
         Gradient of the loss with respect to the final state; zeros when None.
 
     Returns
@@ -243,55 +385,75 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
     nt = thread_count(num_threads)
     do = as_real_array(do, "do")
     dST = None if dS_T is None else as_real_array(dS_T, "dS_T")
-    p = _Problem(q, k, v, beta, alpha, g, initial_state, scale,
+    p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
                  extra=[do] + ([dST] if dST is not None else []))
-    o_shape = (p.B, p.T, p.Dv) if p.single_head else (p.B, p.T, p.H, p.Dv)
-    expect_shape(do, "do", o_shape, "[B, T, Dv]" if p.single_head else "[B, T, H, Dv]")
+    sh = p.single_head
+    heads = "HV" if p.HV != p.H else "H"
+    expect_shape(do, "do", (p.B, p.T, p.Dv) if sh else (p.B, p.T, p.HV, p.Dv),
+                 "[B, T, Dv]" if sh else f"[B, T, {heads}, Dv]")
     if dST is None:
-        dST = np.zeros((1, 1, p.Dv, p.Dk), p.dtype)
+        dST_k = p.zero_state()
     else:
-        expect_shape(dST, "dS_T", p.state_shape,
-                     "[B, Dv, Dk]" if p.single_head else "[B, H, Dv, Dk]")
-        dST = dST.reshape(p.B, p.H, p.Dv, p.Dk)
+        expect_shape(dST, "dS_T", p.state_shape, p.state_layout)
+        dST_k = p.state_view(dST)
+    do_k = p.seq_view(do.reshape(p.B, p.T, p.HV, p.Dv))
 
-    dq, dq_k = p.seq_empty(p.Dk)
-    dk, dk_k = p.seq_empty(p.Dk)
-    dv, dv_k = p.seq_empty(p.Dv)
-    dalpha = np.empty((p.B, p.T, p.H), p.dtype)
-    dbeta = np.empty((p.B, p.T, p.H), p.dtype)
-    dS0 = np.empty((p.B, p.H, p.Dv, p.Dk), p.dtype)
-    _call(_core.gated_delta_rule_bwd,
-          (p._seq(do, p.Dv), p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST, p.scale),
-          (dq_k, dk_k, dv_k, dalpha.transpose(0, 2, 1), dbeta.transpose(0, 2, 1), dS0), nt)
+    B, T, H, G, HV, Dk = p.B, p.T, p.H, p.G, p.HV, p.Dk
+    # dq, dk: one partial gradient per value head, summed over each group below when G > 1
+    dq, dq_k = p.new_seq(Dk)
+    dk, dk_k = p.new_seq(Dk)
+    dv, dv_k = p.new_seq(p.Dv)
+    dbeta = np.empty((B, T, HV), p.dtype)
+    if p.general:
+        dalpha = np.empty((B, T, HV, Dk), p.dtype)
+        dalpha_k = p.seq_view(dalpha)
+    else:
+        dalpha = np.empty((B, T, HV), p.dtype)
+        dalpha_k = p.head_view(dalpha)
+    dS0, dS0_k = p.new_state()
+    ufunc = _core.gated_delta_rule_general_bwd if p.general else _core.gated_delta_rule_bwd
+    _call(ufunc, (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args(),
+          (dq_k, dk_k, dv_k, dalpha_k, p.head_view(dbeta), dS0_k), nt)
 
+    if G > 1:
+        dq = dq.reshape(B, T, H, G, Dk).sum(axis=3)
+        dk = dk.reshape(B, T, H, G, Dk).sum(axis=3)
+    if p.general and not p.per_key:
+        dalpha = dalpha.sum(axis=-1)
+    alpha_k = p.alpha[..., 0] if (p.general and not p.per_key) else p.alpha
     dq, dk, dv = p.user_seq(dq), p.user_seq(dk), p.user_seq(dv)
     dbeta = dbeta.reshape(p.beta_shape)
-    dS0 = p.user_state(dS0)
     if p.gate_name == "g":
-        dg = (p.alpha.transpose(0, 2, 1) * dalpha).astype(p.dtype, copy=False)
+        # dg = alpha * dalpha, alpha in the kernels' [B, H, G, T(, Dk)] view
+        a = alpha_k.transpose(0, 3, 1, 2, 4) if p.per_key else alpha_k.transpose(0, 3, 1, 2)
+        dg = (a.reshape(dalpha.shape) * dalpha).astype(p.dtype, copy=False)
         return GatedDeltaRuleGradsG(dq, dk, dv, dbeta, dg.reshape(p.gate_shape), dS0)
     return GatedDeltaRuleGrads(dq, dk, dv, dbeta, dalpha.reshape(p.gate_shape), dS0)
 
 
-def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, scale=1.0):
+def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, scale=1.0,
+                          normalize_qk=False):
     """One token of the gated delta rule: recurrent (decoding) form of :func:`gated_delta_rule`.
 
     ``o_t, S_t = gated_delta_rule_step(q_t, k_t, v_t, beta=beta_t, alpha=alpha_t, state=S_{t-1})``
-    computes, per sequence and head, ``S_t = alpha_t S_{t-1} + beta_t (v_t - alpha_t S_{t-1} k_t)
+    computes, per sequence and value head, ``S_t = S_{t-1} D_t + beta_t (v_t - S_{t-1} D_t k_t)
     k_t^T`` and ``o_t = scale S_t q_t``. Feeding a sequence one token at a time gives the same
     outputs and final state as one call of :func:`gated_delta_rule` (bitwise: same kernel).
 
     Parameters
     ----------
     q_t, k_t : array [B, H, Dk]  (single-head form: [B, Dk])
-    v_t : array [B, H, Dv]  (single-head: [B, Dv])
-    beta, alpha or g : array [B, H]  (single-head: [B] or [B, 1]); exactly one of alpha and g.
-    state : array [B, H, Dv, Dk]  (single-head: [B, Dv, Dk]), or None for zeros. Not modified.
+    v_t : array [B, HV, Dv]  (single-head: [B, Dv]); HV a multiple of H, as gated_delta_rule.
+    beta : array [B, HV]  (single-head: [B] or [B, 1])
+    alpha or g : array [B, HV] or [B, HV, Dk] (per key channel)  (single-head: [B], [B, 1],
+        [B, Dk]); exactly one of them.
+    state : array [B, HV, Dv, Dk]  (single-head: [B, Dv, Dk]), or None for zeros. Not modified.
     scale : float, default 1.0
+    normalize_qk : bool, default False -- L2-normalise q_t and k_t, as gated_delta_rule.
 
     Returns
     -------
-    o_t : ndarray [B, H, Dv] (single-head: [B, Dv]);  new_state : ndarray shaped as ``state``.
+    o_t : ndarray [B, HV, Dv] (single-head: [B, Dv]);  new_state : ndarray shaped as ``state``.
     float32 when all inputs cast safely to float32, float64 otherwise.
 
     Raises
@@ -301,45 +463,6 @@ def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, sca
 
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025 (arXiv:2412.06464), sec. 3.
     """
-    q_t = as_real_array(q_t, "q_t")
-    if q_t.ndim not in (2, 3):
-        raise ValueError("q_t must have shape [B, H, Dk] (or [B, Dk], the single-head form); "
-                         f"got shape {list(q_t.shape)}")
-    sh = q_t.ndim == 2
-    B, Dk = q_t.shape[0], q_t.shape[-1]
-    H = 1 if sh else q_t.shape[1]
-    k_t = as_real_array(k_t, "k_t")
-    v_t = as_real_array(v_t, "v_t")
-    expect_shape(k_t, "k_t", q_t.shape, "[B, Dk]" if sh else "[B, H, Dk]")
-    if v_t.shape[:-1] != q_t.shape[:-1]:
-        raise ValueError(f"v_t must have shape {'[B, Dv]' if sh else '[B, H, Dv]'} with "
-                         f"{'B' if sh else '[B, H]'} = {list(q_t.shape[:-1])}; got {list(v_t.shape)}")
-    Dv = v_t.shape[-1]
-    if (alpha is None) == (g is None):
-        raise ValueError("give exactly one of alpha (decay in [0, 1]) and g (log decay); got "
-                         + ("both" if alpha is not None else "neither"))
-    gate_name = "alpha" if alpha is not None else "g"
-    gate = as_real_array(alpha if alpha is not None else g, gate_name)
-    beta = as_real_array(beta, "beta")
-    for name, a in ((gate_name, gate), ("beta", beta)):
-        if not (a.shape == (B, H) if not sh else a.shape in ((B,), (B, 1))):
-            raise ValueError(f"{name} must have shape {'[B] or [B, 1]' if sh else '[B, H]'} = "
-                             f"{[B] if sh else [B, H]}; got {list(a.shape)}")
-    state_shape = (B, Dv, Dk) if sh else (B, H, Dv, Dk)
-    arrays = [q_t, k_t, v_t, gate, beta]
-    if state is not None:
-        state = as_real_array(state, "state")
-        expect_shape(state, "state", state_shape, "[B, Dv, Dk]" if sh else "[B, H, Dv, Dk]")
-        arrays.append(state)
-    s = real_scalar(scale, "scale")
-    dt = compute_dtype(arrays)
-    gate = gate.reshape(B, H, 1)
-    if gate_name == "g":
-        gate = np.exp(gate.astype(dt, copy=False))
-    S0 = np.zeros((1, 1, Dv, Dk), dt) if state is None else state.reshape(B, H, Dv, Dk)
-    o = np.empty((B, H, 1, Dv), dt)
-    S_new = np.empty((B, H, Dv, Dk), dt)
-    _core.gated_delta_rule_fwd(q_t.reshape(B, H, 1, Dk), k_t.reshape(B, H, 1, Dk),
-                               v_t.reshape(B, H, 1, Dv), gate, beta.reshape(B, H, 1), S0, s,
-                               out=(o, S_new), dtype=dt, casting="same_kind")
-    return o.reshape(v_t.shape), S_new.reshape(state_shape)
+    p = _Problem(q_t, k_t, v_t, beta, alpha, g, state, scale, normalize_qk, step=True)
+    o, S_T = _forward(p, 0)
+    return p.user_seq(o)[:, 0], S_T
