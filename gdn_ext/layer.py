@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ._checks import as_real_array, expect_shape, fmt
+from ._checks import as_real_array, expect_shape, flag, fmt
 from .recurrence import gated_delta_rule, gated_delta_rule_backward, gated_delta_rule_step
 
 __all__ = ["GatedDeltaNetParams", "rmsnorm", "rmsnorm_backward", "l2norm", "l2norm_backward",
@@ -78,9 +78,13 @@ class GatedDeltaNetParams:
         return ((f.name, getattr(self, f.name)) for f in fields(self))
 
     def __repr__(self):
-        body = ", ".join(f"{n}={fmt(a.shape)}" for n, a in self)
-        return (f"GatedDeltaNetParams(D={self.d_model}, H={self.n_heads}, Dk={self.d_key}, "
-                f"Dv={self.d_value}, dtype={self.Wq.dtype}; {body})")
+        body = ", ".join(f"{n}={fmt(np.shape(a))}" for n, a in self)
+        try:
+            sizes = (f"D={self.d_model}, H={self.n_heads}, Dk={self.d_key}, Dv={self.d_value}, "
+                     f"dtype={self.Wq.dtype}; ")
+        except (AttributeError, IndexError, TypeError, ZeroDivisionError):
+            sizes = "inconsistent: "
+        return f"GatedDeltaNetParams({sizes}{body})"
 
     @property
     def d_model(self):
@@ -103,7 +107,14 @@ class GatedDeltaNetParams:
         return GatedDeltaNetParams(**{n: fn(a) for n, a in self})
 
     def check(self):
-        """Raise ValueError unless every field has the shape its role needs."""
+        """Raise TypeError unless every field is a real ndarray, ValueError unless every field has
+        the shape its role needs."""
+        for n, a in self:
+            if not isinstance(a, np.ndarray):
+                raise TypeError(f"params.{n} must be a NumPy array; got {type(a).__name__}")
+            as_real_array(a, f"params.{n}")
+        if self.Wg_state.ndim != 2:
+            raise ValueError(f"params.Wg_state must have shape [D, H]; got {fmt(self.Wg_state.shape)}")
         D, H = self.Wq.shape[0] if self.Wq.ndim == 2 else -1, self.Wg_state.shape[-1]
         if H < 1 or self.Wq.ndim != 2 or self.Wq.shape[1] % H or self.Wv.ndim != 2 \
                 or self.Wv.shape[1] % H:
@@ -115,23 +126,33 @@ class GatedDeltaNetParams:
                 "Weta": ((D, H), "[D, H]"), "Wo": ((H * Dv, D), "[H*Dv, D]"),
                 "norm_weight": ((D,), "[D]")}
         for n, a in self:
-            as_real_array(a, f"params.{n}")
-            expect_shape(np.asarray(a), f"params.{n}", *want[n])
+            expect_shape(a, f"params.{n}", *want[n])
+
+
+def _inv_rms(x, eps):
+    """1 / sqrt(mean(x**2, axis=-1) + eps), computed on x / max|x| so that x**2 cannot overflow."""
+    m = np.max(np.abs(x), axis=-1, keepdims=True) if x.shape[-1] else np.ones(x.shape[:-1] + (1,))
+    m = np.where(m > 0, m, 1).astype(x.dtype, copy=False)
+    xs = x / m
+    with np.errstate(under="ignore", over="ignore"):   # eps / m^2 -> 0 for huge rows: right
+        return (1 / m) / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + eps / (m * m))
 
 
 def rmsnorm(x, weight, eps=RMS_EPS):
-    """RMSNorm: ``weight * x / sqrt(mean(x**2, axis=-1) + eps)``. x [..., D], weight [D]."""
-    return weight * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+    """RMSNorm: ``weight * x / sqrt(mean(x**2, axis=-1) + eps)``. x [..., D], weight [D].
+
+    Zhang & Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019."""
+    return weight * (x * _inv_rms(x, eps))
 
 
 def rmsnorm_backward(dh, x, weight, eps=RMS_EPS):
     """Gradients (dx, dweight) of :func:`rmsnorm` given dh = dL/dh; dweight sums leading axes."""
-    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    r = _inv_rms(x, eps)
     xhat = x * r
     dweight = np.sum((dh * xhat).reshape(-1, x.shape[-1]), axis=0)
     dxhat = dh * weight
     # d/dx of x r(x), r = (mean(x^2) + eps)^(-1/2):  r dxhat - x r^3 mean(dxhat x)
-    dx = r * dxhat - x * r ** 3 * np.mean(dxhat * x, axis=-1, keepdims=True)
+    dx = r * (dxhat - xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True))
     return dx, dweight
 
 
@@ -152,10 +173,14 @@ def _sigmoid(z):
 
 
 def _check(x, S, params, name="x"):
+    if not isinstance(params, GatedDeltaNetParams):
+        raise TypeError(f"params must be a GatedDeltaNetParams; got {type(params).__name__}")
     params.check()
     x = as_real_array(x, name)
     D, H, Dk, Dv = params.d_model, params.n_heads, params.d_key, params.d_value
     if x.ndim != 3 or x.shape[-1] != D:
+        if name == "x_t":
+            raise ValueError(f"x_t must have shape [B, D] with D = {D}; got {fmt(x.shape[::2])}")
         raise ValueError(f"{name} must have shape [B, T, D] with D = {D}; got {fmt(x.shape)}")
     if S is not None:
         S = as_real_array(S, "S")
@@ -196,7 +221,7 @@ def gated_deltanet_forward(x, S, params, *, normalize_qk=False, scale=1.0, num_t
     Returns
     -------
     y : ndarray [B, T, D] = x + O Wo;  S_T : ndarray [B, H, Dv, Dk].
-    Computed in the promoted float dtype of x and params (float32 or float64).
+    Computed in the promoted float dtype of x, S and params (float32 or float64).
 
     Raises
     ------
@@ -206,11 +231,12 @@ def gated_deltanet_forward(x, S, params, *, normalize_qk=False, scale=1.0, num_t
     Source: the design note's ``gated_deltanet_forward``; Yang, Kautz, Hatamizadeh, ICLR 2025.
     """
     x, S = _check(x, S, params)
+    normalize_qk = flag(normalize_qk, "normalize_qk")
     B, T, D = x.shape
     h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk)
     O, S_T = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
                               num_threads=num_threads)
-    y = x + O.reshape(B, T, -1) @ params.Wo
+    y = x + O.reshape(B, T, params.n_heads * params.d_value) @ params.Wo
     return y, S_T
 
 
@@ -237,6 +263,7 @@ def gated_deltanet_backward(dy, x, S, params, dS_T=None, *, normalize_qk=False, 
     ValueError, TypeError as the forward; also dy or dS_T of the wrong shape.
     """
     x, S = _check(x, S, params)
+    normalize_qk = flag(normalize_qk, "normalize_qk")
     dy = as_real_array(dy, "dy")
     expect_shape(dy, "dy", x.shape, "[B, T, D]")
     B, T, D = x.shape
@@ -263,8 +290,8 @@ def gated_deltanet_backward(dy, x, S, params, dS_T=None, *, normalize_qk=False, 
     h2 = h.reshape(B * T, D)
     pre = [(dq, params.Wq), (dk, params.Wk), (g.dv, params.Wv), (dg_pre, params.Wg_state),
            (de_pre, params.Weta)]
-    dW = [h2.T @ d.reshape(B * T, -1) for d, _ in pre]
-    dh = sum(d.reshape(B * T, -1) @ W.T for d, W in pre).reshape(B, T, D)
+    dW = [h2.T @ d.reshape(B * T, W.shape[1]) for d, W in pre]
+    dh = sum(d.reshape(B * T, W.shape[1]) @ W.T for d, W in pre).reshape(B, T, D)
     # h = rmsnorm(x)
     dx_norm, dnorm = rmsnorm_backward(dh, x, params.norm_weight)
     dparams = GatedDeltaNetParams(Wq=dW[0], Wk=dW[1], Wv=dW[2], Wg_state=dW[3], Weta=dW[4],
@@ -272,17 +299,21 @@ def gated_deltanet_backward(dy, x, S, params, dS_T=None, *, normalize_qk=False, 
     return dy + dx_norm, g.d_initial_state, dparams
 
 
-def gated_deltanet_step(x_t, S, params, *, normalize_qk=False, scale=1.0):
+def gated_deltanet_step(x_t, S, params, *, normalize_qk=False, scale=1.0, num_threads=None):
     """One token through the layer: ``y_t, S_new = gated_deltanet_step(x_t, S, params)``.
 
-    x_t [B, D]; S [B, H, Dv, Dk] or None (zeros). Returns y_t [B, D] and the new state. Feeding a
-    sequence token by token gives what :func:`gated_deltanet_forward` gives for the whole of it.
+    x_t [B, D]; S [B, H, Dv, Dk] or None (zeros); normalize_qk, scale, num_threads as for
+    :func:`gated_deltanet_forward`. Returns y_t [B, D] and the new state [B, H, Dv, Dk]. Feeding a
+    sequence token by token gives what :func:`gated_deltanet_forward` gives for the whole of it,
+    up to rounding (the projections' matrix products may sum in another order).
     Raises ValueError / TypeError for inputs of the wrong shape or dtype."""
     x_t = as_real_array(x_t, "x_t")
     if x_t.ndim != 2:
         raise ValueError(f"x_t must have shape [B, D]; got {fmt(x_t.shape)}")
-    x, S = _check(x_t[:, None, :], S, params, name="x_t[:, None]")
+    normalize_qk = flag(normalize_qk, "normalize_qk")
+    x, S = _check(x_t[:, None, :], S, params, name="x_t")
     h, _, _, q, k, v, gate, eta = _projections(x, params, normalize_qk)
     o, S_new = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta=eta[:, 0],
-                                     alpha=gate[:, 0], state=S, scale=scale)
-    return x_t + o.reshape(x_t.shape[0], -1) @ params.Wo, S_new
+                                     alpha=gate[:, 0], state=S, scale=scale,
+                                     num_threads=num_threads)
+    return x_t + o.reshape(x_t.shape[0], params.n_heads * params.d_value) @ params.Wo, S_new

@@ -432,7 +432,7 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
 
 
 def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, scale=1.0,
-                          normalize_qk=False):
+                          normalize_qk=False, num_threads=None):
     """One token of the gated delta rule: recurrent (decoding) form of :func:`gated_delta_rule`.
 
     ``o_t, S_t = gated_delta_rule_step(q_t, k_t, v_t, beta=beta_t, alpha=alpha_t, state=S_{t-1})``
@@ -447,9 +447,11 @@ def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, sca
     beta : array [B, HV]  (single-head: [B] or [B, 1])
     alpha or g : array [B, HV] or [B, HV, Dk] (per key channel)  (single-head: [B], [B, 1],
         [B, Dk]); exactly one of them.
-    state : array [B, HV, Dv, Dk]  (single-head: [B, Dv, Dk]), or None for zeros. Not modified.
+    state : array [B, HV, Dv, Dk]  (single-head: [B, Dv, Dk]), or None for zeros; required
+        (pass ``state=None`` explicitly at the first token). Not modified.
     scale : float, default 1.0
     normalize_qk : bool, default False -- L2-normalise q_t and k_t, as gated_delta_rule.
+    num_threads : int or None -- as gated_delta_rule.
 
     Returns
     -------
@@ -463,6 +465,7 @@ def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, sca
 
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025 (arXiv:2412.06464), sec. 3.
     """
+    nt = thread_count(num_threads)
     p = _Problem(q_t, k_t, v_t, beta, alpha, g, state, scale, normalize_qk, step=True)
-    o, S_T = _forward(p, 0)
+    o, S_T = _forward(p, nt)
     return p.user_seq(o)[:, 0], S_T

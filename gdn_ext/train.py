@@ -33,7 +33,8 @@ def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=
     n_train = int(0.9 * len(ids))
     train_ids, val_ids = ids[:n_train], ids[n_train:]
     if len(val_ids) < seq_len + 2 or len(train_ids) < seq_len + 2:
-        raise ValueError(f"text too short for seq_len={seq_len}: {len(ids)} characters")
+        raise ValueError(f"text too short for seq_len={seq_len}: {len(ids)} characters; the last "
+                         f"10% is held out, so at least {10 * (seq_len + 2)} are needed")
     baseline = unigram_baseline(train_ids, val_ids, len(vocab))
     rng = np.random.default_rng(seed)
     model = CharLM.init(len(vocab), d_model, n_layers, n_heads, d_head, seed=seed)
@@ -81,8 +82,10 @@ def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=
             bar.set_postfix(post)
     seconds = time.perf_counter() - t0
     final_val = history["val"][-1]
-    prompt = "The "
-    sample_ids = model.generate(vocab.encode(prompt), sample_len, np.random.default_rng(seed))
+    # a prompt the vocabulary can spell: "The " when it can, else the start of the held-out text
+    prompt = "The " if all(c in vocab.index for c in "The ") else vocab.decode(val_ids[:4])
+    sample_ids = (model.generate(vocab.encode(prompt), sample_len, np.random.default_rng(seed))
+                  if np.isfinite(final_val) else [])
     return {"model": model, "vocab": vocab, "history": history, "val_loss": final_val,
             "baseline": baseline, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "sample": vocab.decode(sample_ids)}
@@ -95,12 +98,13 @@ def plot(history, baseline, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'gdn_ext[plot]'") from None
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
     fig, ax = plt.subplots(figsize=(7, 4))
     tr = np.asarray(history["train"])
     w = max(1, len(tr) // 50)
     smooth = np.convolve(tr, np.ones(w) / w, mode="valid")
-    ax.plot(np.arange(len(smooth)) + w, smooth, label=f"train (mean of {w} steps)")
+    ax.plot(np.arange(len(smooth)) + w, smooth,
+            label=f"train (mean of {w} steps)" if w > 1 else "train")
     ax.plot(history["val_step"], history["val"], "o-", label="validation")
     ax.axhline(baseline, color="gray", ls="--", label="unigram baseline")
     ax.set_xlabel("step")
@@ -110,6 +114,13 @@ def plot(history, baseline, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _positive_float(s):
+    x = float(s)
+    if not (x > 0 and np.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {s}")
+    return x
 
 
 def _positive(s):
@@ -131,8 +142,10 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=_positive, default=32, help="Dk = Dv per head (default 32)")
     ap.add_argument("--batch", type=_positive, default=16, help="sequences per step (default 16)")
     ap.add_argument("--seq-len", type=_positive, default=128, help="characters per sequence (128)")
-    ap.add_argument("--lr", type=float, default=3e-3, help="peak Adam learning rate (3e-3)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=_positive_float, default=3e-3,
+                    help="peak Adam learning rate (default 3e-3)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the weights, the batches and the sample (default 0)")
     ap.add_argument("--threads", type=_positive, default=None,
                     help="OpenMP threads of the recurrence (default: OpenMP's)")
     ap.add_argument("--text", metavar="FILE", default=None,
@@ -141,10 +154,19 @@ def main(argv=None):
                     help="save the loss curves (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
+    if a.plot:  # fail now, not after training
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error('--plot needs matplotlib: pip install matplotlib (or pip install -e ".[plot]" '
+                     "in a checkout)")
     try:
         text = load_text(a.text)
     except (OSError, UnicodeDecodeError) as exc:
         ap.error(f"--text {a.text}: {exc}")
+    if len(text) < 10 * (a.seq_len + 2):
+        ap.error(f"the text has {len(text)} characters; --seq-len {a.seq_len} needs at least "
+                 f"{10 * (a.seq_len + 2)} (the last 10% is held out for validation)")
     # NumPy's BLAS threads spin after each small matmul and fight the kernels' OpenMP threads for
     # the cores: the model's matmuls are small, so one BLAS thread is faster overall
     from threadpoolctl import threadpool_limits
@@ -153,6 +175,9 @@ def main(argv=None):
                     d_head=a.head_dim, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
                     num_threads=a.threads, progress=not a.no_progress)
     val, base = res["val_loss"], res["baseline"]
+    if not np.isfinite(val):
+        print(f"training diverged (validation loss {val}); try a smaller --lr", file=sys.stderr)
+        return 1
     print(f"trained {a.steps} steps in {res['seconds']:.0f} s ({res['tokens_per_s']:,.0f} tokens/s)")
     print(f"validation loss {val:.3f} nats/char ({val / math.log(2):.2f} bits/char) vs unigram "
           f"baseline {base:.3f}: {100 * (1 - val / base):.0f}% below")

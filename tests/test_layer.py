@@ -163,3 +163,38 @@ def test_layer_errors():
         gdn_ext.gated_deltanet_forward(x, S, bad)
     with pytest.raises(ValueError, match=r"dy must have shape \[B, T, D\]"):
         gdn_ext.gated_deltanet_backward(x[:, :3], x, S, params)
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 10), (0, 3, 10)])
+def test_layer_empty_batch_or_sequence(shape):
+    _, params, _, _ = _problem(5)
+    x = np.ones(shape)
+    y, S_T = gdn_ext.gated_deltanet_forward(x, None, params)
+    assert y.shape == shape and S_T.shape == (shape[0], 3, 5, 4)
+    dx, dS, dparams = gdn_ext.gated_deltanet_backward(x, x, None, params)
+    assert dx.shape == shape and np.all(dparams.Wq == 0)
+
+
+def test_rmsnorm_does_not_overflow():
+    """rmsnorm is scale invariant up to eps: 1e200 * x must not square to inf and give h = 0."""
+    _, params, x, S = _problem(6)
+    y_big, S_big = gdn_ext.gated_deltanet_forward(x * 1e200, S, params)
+    _, S_ref = gdn_ext.gated_deltanet_forward(x * 1e5, S, params)
+    assert_rel_close(S_big, S_ref, 1e-12, "S_T")
+    assert np.all(np.isfinite(y_big))
+
+
+def test_params_type_errors():
+    import dataclasses
+    _, params, x, S = _problem(7)
+    with pytest.raises(TypeError, match="params must be a GatedDeltaNetParams; got dict"):
+        gdn_ext.gated_deltanet_forward(x, S, dict(params))
+    with pytest.raises(TypeError, match="params.Wq must be a NumPy array; got list"):
+        gdn_ext.gated_deltanet_forward(x, S, dataclasses.replace(params, Wq=params.Wq.tolist()))
+    with pytest.raises(TypeError, match="params.Wo must have a real dtype"):
+        gdn_ext.gated_deltanet_backward(x, x, S, dataclasses.replace(params, Wo=params.Wo + 0j))
+    assert "inconsistent" in repr(dataclasses.replace(params, Wq=None))
+    with pytest.raises(TypeError, match="normalize_qk must be a bool"):
+        gdn_ext.gated_deltanet_forward(x, S, params, normalize_qk="no")
+    with pytest.raises(ValueError, match=r"x_t must have shape \[B, D\] with D = 10; got \[2, 9\]"):
+        gdn_ext.gated_deltanet_step(x[:, 0, :9], S, params)

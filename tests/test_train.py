@@ -51,3 +51,40 @@ def test_cli_rejects_a_missing_file(tmp_path):
     with pytest.raises(SystemExit) as info:
         main(["--text", str(tmp_path / "nope.txt")])
     assert info.value.code == 2
+
+
+def test_cli_text_without_the_default_prompt(tmp_path, capsys):
+    """A text that cannot spell the default prompt "The " still samples (from its own start)."""
+    from gdn_ext.__main__ import main
+    path = tmp_path / "lower.txt"
+    path.write_text("abc abd bcd cab " * 400, encoding="utf-8")
+    argv = ["--text", str(path), "--steps", "30", "--d-model", "16", "--layers", "1", "--heads",
+            "1", "--head-dim", "8", "--batch", "4", "--seq-len", "16", "--lr", "1e-2",
+            "--no-progress"]
+    assert main(argv) == 0
+    assert "sample:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--lr", "nan"], "must be a positive finite number"),
+    (["--lr", "-1"], "must be a positive finite number"),
+    (["--steps", "0"], "must be a positive integer"),
+])
+def test_cli_rejects_bad_flags(argv, words, capsys):
+    from gdn_ext.__main__ import main
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_cli_short_text_and_missing_matplotlib(tmp_path, monkeypatch, capsys):
+    from gdn_ext.__main__ import main
+    path = tmp_path / "short.txt"
+    path.write_text("abcdefghij" * 5, encoding="utf-8")
+    with pytest.raises(SystemExit) as info:
+        main(["--text", str(path)])
+    assert info.value.code == 2 and "needs at least 1300" in capsys.readouterr().err
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)   # import fails
+    with pytest.raises(SystemExit) as info:
+        main(["--plot", str(tmp_path / "x.png")])
+    assert info.value.code == 2 and "--plot needs matplotlib" in capsys.readouterr().err
