@@ -89,6 +89,8 @@ int gdn_check_cu_seqlens(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrd
 /* Threads a parallel loop over n items uses: min(n, num_threads or OpenMP's default,
  * GDN_MAX_OVERSUBSCRIBE * processors, OpenMP's thread limit). */
 #define GDN_MAX_OVERSUBSCRIBE 4
+/* Below this many state elements touched per call (N * T * Dk * Dv) the loop runs serially. */
+#define GDN_PARALLEL_MIN_WORK 65536.0
 int gdn_threads_for(ptrdiff_t n, int num_threads);
 int gdn_openmp_enabled(void);
 

@@ -197,7 +197,8 @@ class _Problem:
 
     def zero_state(self):
         """Zeros for S_0 or dS_T, broadcast over every (sequence, head) by the ufunc."""
-        return np.zeros((1, 1, 1) + ((1,) if self.general else ()) + (self.Dv, self.Dk), self.dtype)
+        seq_axis = (self.NS,) if self.general else ()   # core dimensions do not broadcast
+        return np.zeros((1, 1, 1) + seq_axis + (self.Dv, self.Dk), self.dtype)
 
     def state_view(self, S):
         """A state in the user's shape -> [B, H, G, (NS,) Dv, Dk]. The general ufunc's states have

@@ -2,12 +2,15 @@
 
 It follows the reference loop of the design note gdn_ext started from (a single-head PyTorch loop)
 with its names -- ``batch_matvec``, ``batch_outer``, ``gate_memory`` -- and adds the backward pass
-over time (README, "The backward pass") written the same way. Slow (a Python loop over time) and memory-hungry (the
-backward keeps every state): use :func:`gdn_ext.gated_delta_rule` for real work.
+over time (README, "The backward pass") written the same way, plus what real models need: gates
+per key channel, grouped value heads, L2-normalised q and k, and packed variable-length batches.
+Slow (a Python loop over time) and memory-hungry (the backward keeps every state, grouped heads
+copy q and k): use :func:`gdn_ext.gated_delta_rule` for real work.
 
-Layouts are those of :func:`gdn_ext.gated_delta_rule`: q, k [B, T, H, Dk], v [B, T, H, Dv],
-alpha / g / beta [B, T, H], state [B, H, Dv, Dk]; or the single-head form q [B, T, Dk],
-gate [B, T] or [B, T, 1], state [B, Dv, Dk]. Computed in the inputs' promoted float dtype.
+Arguments, shapes and results are those of :func:`gdn_ext.gated_delta_rule` and
+:func:`gdn_ext.gated_delta_rule_backward` (q, k [B, T, H, Dk]; v [B, T, HV, Dv]; gates
+[B, T, HV] or [B, T, HV, Dk]; state [B, HV, Dv, Dk]; the single-head form; ``cu_seqlens``),
+without the argument checking. Computed in the inputs' promoted float dtype.
 
 Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
 Rule", ICLR 2025 (arXiv:2412.06464), section 3.
@@ -16,8 +19,10 @@ import numpy as np
 
 from .recurrence import GatedDeltaRuleGrads, GatedDeltaRuleGradsG
 
-__all__ = ["batch_matvec", "batch_outer", "gate_memory", "gated_delta_rule",
+__all__ = ["batch_matvec", "batch_outer", "gate_memory", "l2norm", "gated_delta_rule",
            "gated_delta_rule_backward"]
+
+L2_EPS = 1e-6
 
 
 def batch_matvec(S, x):
@@ -31,37 +36,44 @@ def batch_outer(a, b):
 
 
 def gate_memory(S, gate):
-    """The scalar gate applied to the state: S [..., Dv, Dk] times gate [...].
+    """The gate applied to the state, S D: S [..., Dv, Dk] times a scalar gate [...] or, per key
+    channel, times gate [..., Dk] along the columns (D = diag(gate)).
 
     (The design note writes ``S * gate[:, None, None]`` for a gate of shape [B, 1], which would
     broadcast to [B, B, Dv, Dk] when B > 1; here the gate has one number per state.)"""
+    if gate.ndim == S.ndim - 1:
+        return S * gate[..., None, :]
     return S * gate[..., None, None]
 
 
-def _inputs(q, k, v, beta, alpha, g, initial_state, extra=()):
-    """Float arrays in the layouts above, gate as alpha, gate and beta without a trailing 1."""
-    arrays = [np.asarray(x) for x in (q, k, v, beta, alpha if g is None else g) + tuple(extra)]
-    if initial_state is not None:
-        arrays.append(np.asarray(initial_state))
-    dt = np.result_type(np.float32, *arrays)
-    q, k, v, beta, gate = (a.astype(dt) for a in arrays[:5])
-    if q.ndim == 3:  # single head: a [B, T, 1] gate is [B, T]
-        beta = beta.reshape(q.shape[:2])
-        gate = gate.reshape(q.shape[:2])
-    alpha = gate if g is None else np.exp(gate)
-    state_shape = q.shape[:1] + q.shape[2:-1] + (v.shape[-1], q.shape[-1])
-    S0 = np.zeros(state_shape, dt) if initial_state is None else np.asarray(initial_state, dt)
-    return q, k, v, beta, alpha, S0, dt
+def l2norm(x):
+    """x / sqrt(sum x^2 + 1e-6) over the last axis (epsilon inside the root)."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0):
-    """Forward loop of the design note, with heads. Returns (o, S_T) shaped as
-    :func:`gdn_ext.gated_delta_rule` returns them."""
-    q, k, v, beta, alpha, S_cur, _ = _inputs(q, k, v, beta, alpha, g, initial_state)
+def _as_multihead(q, k, v, beta, gate, state, arrays_dtype):
+    """The single-head form [B, T, D] as H = 1; a [B, T, 1] scalar gate as [B, T]."""
+    dt = arrays_dtype
+    q, k, v, beta, gate = (np.asarray(a, dt) for a in (q, k, v, beta, gate))
+    single = q.ndim == 3
+    if single:
+        per_key = gate.shape == q.shape and q.shape[-1] != 1
+        q, k, v = q[:, :, None], k[:, :, None], v[:, :, None]
+        beta = beta.reshape(q.shape[:2] + (1,))
+        gate = gate[:, :, None] if per_key else gate.reshape(q.shape[:2] + (1,))
+        state = None if state is None else np.asarray(state, dt)[:, None]
+    elif state is not None:
+        state = np.asarray(state, dt)
+    return single, q, k, v, beta, gate, state
+
+
+def _forward_loop(q, k, v, beta, alpha, S_cur, scale):
+    """The design note's loop, with heads: q, k [B, T, H, Dk] (one query/key per value head),
+    v [B, T, H, Dv], beta [B, T, H], alpha [B, T, H] or [B, T, H, Dk], S_cur [B, H, Dv, Dk]."""
     outputs = []
     for t in range(q.shape[1]):
-        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]          # [B, (H,) Dk] / [B, (H,) Dv]
-        g_t, e_t = alpha[:, t], beta[:, t]                 # [B, (H)]
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]
+        g_t, e_t = alpha[:, t], beta[:, t]
         S_gated = gate_memory(S_cur, g_t)                  # forget: keep a fraction alpha
         pred = batch_matvec(S_gated, k_t)                  # what memory returns for k_t
         delta = v_t - pred                                 # the error to correct
@@ -74,16 +86,9 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     return o, S_cur
 
 
-def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
-                              dS_T=None, scale=1.0):
-    """Backward pass over time (README, "The backward pass") of :func:`gated_delta_rule`, keeping every
-    state. Returns the same named tuple as :func:`gdn_ext.gated_delta_rule_backward`."""
-    gate_shape, beta_shape = np.shape(alpha if g is None else g), np.shape(beta)
-    q, k, v, beta, alpha, S0, dt = _inputs(q, k, v, beta, alpha, g, initial_state, (do,))
-    do = np.asarray(do, dt)
+def _backward_loop(do, q, k, v, beta, alpha, S0, dS_T, scale):
+    """Backward of _forward_loop (same shapes), keeping every state."""
     T = q.shape[1]
-
-    # forward, keeping S_{t-1}, p_t and u_t for every t
     states, preds, writes = [S0], [], []
     for t in range(T):
         S_gated = gate_memory(states[-1], alpha[:, t])
@@ -93,9 +98,10 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         preds.append(pred)
         writes.append(u)
 
-    G = np.zeros_like(S0) if dS_T is None else np.array(dS_T, dt)   # dL/dS_t
+    G = np.zeros_like(S0) if dS_T is None else np.array(dS_T, S0.dtype)   # dL/dS_t
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dalpha, dbeta = np.zeros_like(alpha), np.zeros_like(beta)
+    per_key = alpha.ndim == q.ndim
     for t in reversed(range(T)):
         S_prev, S_t = states[t], states[t + 1]
         a_t, b_t = alpha[:, t], beta[:, t]
@@ -113,11 +119,102 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         S_gated = gate_memory(S_prev, a_t)
         dk[:, t] += batch_matvec(np.swapaxes(S_gated, -1, -2), dp)
         G_gated = G + batch_outer(dp, k[:, t])
-        # S_gated = alpha_t S_{t-1}
-        dalpha[:, t] = np.sum(G_gated * S_prev, axis=(-2, -1))
+        # S_gated = S_{t-1} D_t
+        dalpha[:, t] = np.sum(G_gated * S_prev, axis=-2 if per_key else (-2, -1))
         G = gate_memory(G_gated, a_t)
+    return dq, dk, dv, dbeta, dalpha, G
 
-    dbeta = dbeta.reshape(beta_shape)
+
+def _prepare(q, k, v, beta, alpha, g, initial_state, normalize_qk, extra=()):
+    """Float arrays in the multi-head layout, gate as alpha, q and k repeated per value head
+    (normalised when asked), and what is needed to undo each step in the backward."""
+    gate_in = alpha if g is None else g
+    arrays = [q, k, v, beta, gate_in] + list(extra)
+    if initial_state is not None:
+        arrays.append(initial_state)
+    dt = np.result_type(np.float32, *(np.asarray(a) for a in arrays))
+    single, q, k, v, beta, gate, S0 = _as_multihead(q, k, v, beta, gate_in, initial_state, dt)
+    alpha = gate if g is None else np.exp(gate)
+    G = v.shape[2] // q.shape[2]              # value heads per query/key head
+    qn, kn = (l2norm(q), l2norm(k)) if normalize_qk else (q, k)
+    q_rep, k_rep = np.repeat(qn, G, axis=2), np.repeat(kn, G, axis=2)
+    return dict(dt=dt, single=single, q=q, k=k, v=v, beta=beta, alpha=alpha, S0=S0, G=G,
+                q_rep=q_rep, k_rep=k_rep, gate_shape=np.shape(gate_in), beta_shape=np.shape(beta))
+
+
+def _sequences(T, cu_seqlens):
+    """(start, end) of each sequence: the whole T, or the packed pieces."""
+    if cu_seqlens is None:
+        return [(0, T)]
+    cu = [int(c) for c in cu_seqlens]
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
+                     normalize_qk=False, cu_seqlens=None):
+    """Forward loop of the design note, generalised. Returns (o, S_T) shaped as
+    :func:`gdn_ext.gated_delta_rule` returns them."""
+    P = _prepare(q, k, v, beta, alpha, g, initial_state, normalize_qk)
+    v, beta, alpha = P["v"], P["beta"], P["alpha"]
+    B, T, HV, Dv = v.shape
+    Dk = P["q"].shape[-1]
+    outs, finals = [], []
+    for n, (a, b) in enumerate(_sequences(T, cu_seqlens)):   # each packed sequence on its own
+        if P["S0"] is None:
+            S0 = np.zeros((B, HV, Dv, Dk), P["dt"])
+        else:
+            S0 = P["S0"] if cu_seqlens is None else P["S0"][n:n + 1]
+        o, S_T = _forward_loop(P["q_rep"][:, a:b], P["k_rep"][:, a:b], v[:, a:b], beta[:, a:b],
+                               alpha[:, a:b], S0, scale)
+        outs.append(o)
+        finals.append(S_T)
+    o = np.concatenate(outs, axis=1)
+    S_T = finals[0] if cu_seqlens is None else np.concatenate(finals, axis=0)
+    if P["single"]:
+        return o[:, :, 0], S_T[:, 0]
+    return o, S_T
+
+
+def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
+                              dS_T=None, scale=1.0, normalize_qk=False, cu_seqlens=None):
+    """Backward pass over time (README, "The backward pass") of :func:`gated_delta_rule`, keeping
+    every state. Returns the same named tuple as :func:`gdn_ext.gated_delta_rule_backward`."""
+    P = _prepare(q, k, v, beta, alpha, g, initial_state, normalize_qk, extra=(do,))
+    dt, v, beta, alpha, G = P["dt"], P["v"], P["beta"], P["alpha"], P["G"]
+    do = np.asarray(do, dt)
+    if P["single"]:
+        do = do[:, :, None]
+        dS_T = None if dS_T is None else np.asarray(dS_T, dt)[:, None]
+    B, T, HV, Dv = v.shape
+    Dk = P["q"].shape[-1]
+    dq_rep, dk_rep = np.zeros_like(P["q_rep"]), np.zeros_like(P["k_rep"])
+    dv, dbeta, dalpha = np.zeros_like(v), np.zeros_like(beta), np.zeros_like(alpha)
+    dS0 = []
+    for n, (a, b) in enumerate(_sequences(T, cu_seqlens)):
+        if P["S0"] is None:
+            S0 = np.zeros((B, HV, Dv, Dk), dt)
+        else:
+            S0 = P["S0"] if cu_seqlens is None else P["S0"][n:n + 1]
+        dST_n = None if dS_T is None else (dS_T if cu_seqlens is None else dS_T[n:n + 1])
+        (dq_rep[:, a:b], dk_rep[:, a:b], dv[:, a:b], dbeta[:, a:b], dalpha[:, a:b],
+         dS0_n) = _backward_loop(do[:, a:b], P["q_rep"][:, a:b], P["k_rep"][:, a:b], v[:, a:b],
+                                 beta[:, a:b], alpha[:, a:b], S0, dST_n, scale)
+        dS0.append(dS0_n)
+    dS0 = dS0[0] if cu_seqlens is None else np.concatenate(dS0, axis=0)
+
+    # q, k were repeated for each value head of a group: their gradients add up
+    H = P["q"].shape[2]
+    dq = dq_rep.reshape(B, T, H, G, Dk).sum(axis=3)
+    dk = dk_rep.reshape(B, T, H, G, Dk).sum(axis=3)
+    if normalize_qk:   # x^ = x / n:  dx = (dx^ - x^ (x^ . dx^)) / n
+        for raw, name in ((P["q"], "q"), (P["k"], "k")):
+            n_ = np.sqrt(np.sum(raw * raw, axis=-1, keepdims=True) + L2_EPS)
+            xh = raw / n_
+            d = dq if name == "q" else dk
+            d[...] = (d - xh * np.sum(xh * d, axis=-1, keepdims=True)) / n_
+    if P["single"]:
+        dq, dk, dv, dS0 = dq[:, :, 0], dk[:, :, 0], dv[:, :, 0], dS0[:, 0]
+    dbeta = dbeta.reshape(P["beta_shape"])
     if g is None:
-        return GatedDeltaRuleGrads(dq, dk, dv, dbeta, dalpha.reshape(gate_shape), G)
-    return GatedDeltaRuleGradsG(dq, dk, dv, dbeta, (alpha * dalpha).reshape(gate_shape), G)
+        return GatedDeltaRuleGrads(dq, dk, dv, dbeta, dalpha.reshape(P["gate_shape"]), dS0)
+    return GatedDeltaRuleGradsG(dq, dk, dv, dbeta, (alpha * dalpha).reshape(P["gate_shape"]), dS0)

@@ -12,6 +12,26 @@
     scale)``, the backward pass over time of the forward (README, "The backward pass"), recomputing states from
     checkpoints every ``C = ceil(sqrt(T))`` steps.
 
+``gated_delta_rule_general_fwd``
+    Signature ``(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m)->(t,v),(n,v,k)``:
+    ``o, S_T = gated_delta_rule_general_fwd(q, k, v, alpha, beta, S_0, scale, normalize_qk,
+    cu_seqlens)``. The gate is per key channel, alpha ``[..., T, Dk]`` (``D_t = diag(alpha_t)``;
+    pass a scalar gate as a stride-0 broadcast ``np.broadcast_to(a[..., None], (..., T, Dk))``);
+    ``normalize_qk`` ``[...]`` nonzero L2-normalises q and k inside the kernel
+    (``x / sqrt(sum x^2 + 1e-6)``); ``cu_seqlens`` int64 ``[..., n + 1]`` packs n sequences along
+    t, sequence i being tokens ``cu_seqlens[i] .. cu_seqlens[i+1] - 1`` with its own initial and
+    final state ``S_0[..., i, :, :]``, ``S_T[..., i, :, :]`` (``[0, T]`` and n = 1 for one
+    sequence). A cu_seqlens that does not start at 0, end at T or never decrease raises
+    ValueError.
+
+``gated_delta_rule_general_bwd``
+    Signature ``(t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m)->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)``:
+    ``dq, dk, dv, dalpha, dbeta, dS_0 = gated_delta_rule_general_bwd(do, q, k, v, alpha, beta,
+    S_0, dS_T, scale, normalize_qk, cu_seqlens)``, dalpha per key channel ``[..., T, Dk]``.
+
+Grouped value heads need no ufunc of their own: broadcast q and k over the value heads of a
+group (a stride-0 view, no copy) and sum dq, dk over the group afterwards.
+
 Time is a core dimension, so the (sequence, head) pairs are the loop dimensions: put them first,
 e.g. ``q.transpose(0, 2, 1, 3)`` for the ``[B, T, H, Dk]`` layout (a view, no copy), or use
 ``axes=``. Being ufuncs, they broadcast over the loop dimensions, cast dtypes (float16 and small
@@ -26,6 +46,8 @@ what the signature implies: ``gdn_ext.gated_delta_rule`` is the checked, documen
 Math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule",
 ICLR 2025 (arXiv:2412.06464).
 """
-from ._core import gated_delta_rule_bwd, gated_delta_rule_fwd
+from ._core import (gated_delta_rule_bwd, gated_delta_rule_fwd, gated_delta_rule_general_bwd,
+                    gated_delta_rule_general_fwd)
 
-__all__ = ["gated_delta_rule_fwd", "gated_delta_rule_bwd"]
+__all__ = ["gated_delta_rule_fwd", "gated_delta_rule_bwd", "gated_delta_rule_general_fwd",
+           "gated_delta_rule_general_bwd"]

@@ -22,7 +22,8 @@ def _run_both(inputs, **extra):
 @pytest.mark.skipif(not gdn_ext.openmp_enabled(), reason="built without OpenMP")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_results_identical_with_1_and_2_threads(dtype):
-    inputs = make_inputs(np.random.default_rng(40), 3, 50, 3, 8, 6, dtype=dtype)
+    # large enough to run in parallel (small calls run serially)
+    inputs = make_inputs(np.random.default_rng(40), 3, 200, 3, 16, 12, dtype=dtype)
     one = _run_both(inputs, num_threads=1)
     two = _run_both(inputs, num_threads=2)
     for a, b in zip(one, two):
@@ -219,7 +220,7 @@ def test_gil_is_released():
 def test_floating_point_errors_seen_from_any_thread(num_threads):
     """An overflow in the last (sequence, head) -- run by a worker thread when there are two --
     still reaches np.errstate on the calling thread."""
-    inputs = make_inputs(np.random.default_rng(51), 4, 6, 2, 3, 3)
+    inputs = make_inputs(np.random.default_rng(51), 4, 200, 2, 16, 16)   # large: runs in parallel
     inputs["alpha"][-1, 2, -1] = np.inf
     args, kw = split(inputs)
     with np.errstate(all="ignore"):
