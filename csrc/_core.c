@@ -62,7 +62,9 @@ static int check_cu(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrdiff_t
 {
     int r = gdn_check_cu_seqlens(cu, cu_n, cu_m, N, NS, T, max_len);
     if (r == -1)
-        raise_from_loop(PyExc_ValueError, "cu_seqlens must start at 0 and end at T, the packed length");
+        raise_from_loop(PyExc_ValueError, "cu_seqlens must start at 0");
+    else if (r == -3)
+        raise_from_loop(PyExc_ValueError, "cu_seqlens must end at T, the packed length");
     else if (r == -2)
         raise_from_loop(PyExc_ValueError, "cu_seqlens must be non-decreasing");
     return r < 0 ? -1 : 0;

@@ -82,7 +82,8 @@ size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv);
 size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv);
 
 /* Check every loop element's cu_seqlens (int64 [N, NS + 1]): starts at 0, never decreases, ends at
- * T. Returns 0 and the longest sequence in *max_len, or -1 (bad start / end) or -2 (decreasing). */
+ * T. Returns 0 and the longest sequence in *max_len, or -1 (bad start), -2 (decreasing) or
+ * -3 (bad end). */
 int gdn_check_cu_seqlens(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrdiff_t N,
                          ptrdiff_t NS, ptrdiff_t T, ptrdiff_t *max_len);
 

@@ -64,7 +64,8 @@ int gdn_check_cu_seqlens(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrd
     ptrdiff_t longest = 0;
     for (ptrdiff_t n = 0; n < N; n++) {
         const int64_t *c = cu + n * cu_n;
-        if (c[0] != 0 || c[NS * cu_m] != T) return -1;
+        if (c[0] != 0) return -1;
+        if (c[NS * cu_m] != T) return -3;
         for (ptrdiff_t s = 0; s < NS; s++) {
             const int64_t len = c[(s + 1) * cu_m] - c[s * cu_m];
             if (len < 0) return -2;

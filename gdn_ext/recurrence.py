@@ -59,8 +59,11 @@ class _Problem:
             return "[" + ", ".join(d for d in dims if not (step and d == "T")) + "]"
 
         q = as_real_array(q, nq)
+        if step and q.ndim not in (2, 3):
+            raise ValueError(f"{nq} must have shape [B, H, Dk] (or [B, Dk], the single-head form); "
+                             f"got shape {list(q.shape)}")
         if step:
-            q = q[:, None] if q.ndim in (2, 3) else q[None, None]
+            q = q[:, None]
         if q.ndim == 4:
             self.single_head = False
         elif q.ndim == 3:
@@ -68,7 +71,7 @@ class _Problem:
         else:
             raise ValueError(f"{nq} must have shape {lay('B', 'T', 'H', 'Dk')} (or "
                              f"{lay('B', 'T', 'Dk')}, the single-head form); got shape "
-                             f"{list(q.shape[1:] if step else q.shape)}".replace("[1, ", "["))
+                             f"{list(q.shape)}")
         sh = self.single_head
         k = as_real_array(k, nk)
         v = as_real_array(v, nv)
@@ -103,14 +106,14 @@ class _Problem:
             raise ValueError(f"{nv} must have shape "
                              f"{lay('B', 'T', 'Dv') if sh else lay('B', 'T', 'H', 'Dv')} = "
                              f"[{', '.join(map(str, want))}]; got {v_user}")
-        if v.shape[2] % H:
+        if (v.shape[2] % H if H else v.shape[2]):
             want = ", ".join(map(str, user([B, T, H, "Dv"])))
             raise ValueError(f"{nv} must have shape {lay('B', 'T', 'H', 'Dv')} = [{want}], or "
                              f"{lay('B', 'T', 'HV', 'Dv')} "
                              f"with HV a multiple of H = {H} (grouped value heads: value head hv "
                              f"reads query/key head hv // (HV / H)); got {v_user}")
         HV, Dv = v.shape[2], v.shape[3]
-        G = HV // H
+        G = HV // H if H else 1      # no heads at all: nothing to compute
         heads = "" if sh else "HV" if HV != H else "H"
 
         # gate and beta: [B, T, HV] (single head: [B, T] or [B, T, 1]); gate also [B, T, HV, Dk]
@@ -132,11 +135,11 @@ class _Problem:
         # packed sequences
         if cu_seqlens is not None:
             cu = np.asarray(cu_seqlens)
-            if cu.dtype.kind not in "iu":
-                raise TypeError(f"cu_seqlens must be an integer array [N + 1]; got dtype {cu.dtype}")
             if cu.ndim != 1 or cu.size < 2:
                 raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got "
                                  f"{list(cu.shape)}")
+            if cu.dtype.kind not in "iu":
+                raise TypeError(f"cu_seqlens must be an integer array [N + 1]; got dtype {cu.dtype}")
             if B != 1:
                 raise ValueError(f"cu_seqlens packs sequences along T, so B must be 1; got B = {B}")
             if cu[0] != 0:
@@ -154,7 +157,10 @@ class _Problem:
         self.packed = cu_seqlens is not None
         self.general = self.per_key or self.normalize_qk or self.packed
 
-        if sh:
+        if sh and self.packed:
+            self.state_shape = (NS, Dv, Dk)
+            st_lay = "[N, Dv, Dk]"
+        elif sh:
             self.state_shape = (B, Dv, Dk)
             st_lay = lay("B", "Dv", "Dk")
         elif self.packed:

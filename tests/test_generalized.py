@@ -273,7 +273,7 @@ def test_raw_general_ufunc_checks_cu_seqlens_itself():
     S0 = np.zeros((2, Dv, Dk))
     o, S_T = ufuncs.gated_delta_rule_general_fwd(q, k, v, a, b, S0, 1.0, 0.0, np.array([0, 4, 10]))
     assert o.shape == (T, Dv) and S_T.shape == (2, Dv, Dk)
-    for cu, msg in (([0, 4, 11], "start at 0 and end at T"), ([0, 6, 4, 10], "one more entry"),
+    for cu, msg in (([0, 4, 11], "end at T"), ([0, 6, 4, 10], "one more entry"),
                     ([1, 4, 10], "start at 0")):
         S = np.zeros((len(cu) - 1 if "one more" not in msg else 2, Dv, Dk))
         with pytest.raises(ValueError, match=msg):
@@ -281,3 +281,29 @@ def test_raw_general_ufunc_checks_cu_seqlens_itself():
     with pytest.raises(ValueError, match="non-decreasing"):
         ufuncs.gated_delta_rule_general_fwd(q, k, v, a, b, np.zeros((3, Dv, Dk)), 1.0, 0.0,
                                             np.array([0, 6, 4, 10]))
+
+
+def test_single_head_packed_and_degenerate_heads():
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((1, 9, 3))
+    v = rng.standard_normal((1, 9, 2))
+    a, b = rng.uniform(0.5, 1, (1, 9)), rng.uniform(0, 1, (1, 9))
+    S0 = rng.standard_normal((2, 2, 3))                      # [N, Dv, Dk]
+    o, S_T = gdn_ext.gated_delta_rule(q, q, v, beta=b, alpha=a, initial_state=S0,
+                                      cu_seqlens=[0, 4, 9])
+    assert o.shape == (1, 9, 2) and S_T.shape == (2, 2, 3)
+    o_ref, S_ref = reference.gated_delta_rule(q, q, v, beta=b, alpha=a, initial_state=S0,
+                                              cu_seqlens=[0, 4, 9])
+    assert_rel_close(o, o_ref, 1e-12, "o")
+    assert_rel_close(S_T, S_ref, 1e-12, "S_T")
+    g = gdn_ext.gated_delta_rule_backward(np.ones_like(o), q, q, v, beta=b, alpha=a,
+                                          initial_state=S0, cu_seqlens=[0, 4, 9])
+    assert g.d_initial_state.shape == (2, 2, 3) and g.dalpha.shape == (1, 9)
+    with pytest.raises(ValueError, match=r"cu_seqlens must have shape \[N \+ 1\] with N >= 1; got \[0\]"):
+        gdn_ext.gated_delta_rule(q, q, v, beta=b, alpha=a, cu_seqlens=[])
+    z = np.zeros((1, 5, 0, 3))
+    o0, S0_T = gdn_ext.gated_delta_rule(z, z, z, beta=z[..., 0], alpha=z[..., 0])
+    assert o0.shape == (1, 5, 0, 3) and S0_T.shape == (1, 0, 3, 3)
+    with pytest.raises(ValueError, match="q_t must have shape"):
+        gdn_ext.gated_delta_rule_step(q[0, 0], q[0, 0], v[0, 0], beta=b[0, :1], alpha=a[0, :1],
+                                      state=None)
