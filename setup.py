@@ -67,8 +67,9 @@ setup(
     ext_modules=[
         Extension(
             "gdn_ext._core",
-            sources=["csrc/_core.c", "csrc/gdn_kernels.c"],
-            depends=["csrc/gdn.h", "csrc/gdn_recurrent.inc"],
+            sources=["csrc/_core.c", "csrc/gdn_kernels.c", "csrc/gdn_kernels_avx2.c",
+                     "csrc/gdn_kernels_avx512.c"],
+            depends=["csrc/gdn.h", "csrc/gdn_recurrent.inc", "csrc/gdn_instances.inc"],
             include_dirs=[np.get_include(), "csrc"],
         )
     ],

@@ -302,6 +302,11 @@ static PyObject *py_openmp_enabled(PyObject *self, PyObject *noargs)
     return PyBool_FromLong(gdn_openmp_enabled());
 }
 
+static PyObject *py_isa(PyObject *self, PyObject *noargs)
+{
+    return PyUnicode_FromString(gdn_isa());
+}
+
 static PyObject *py_set_call_threads(PyObject *self, PyObject *arg)
 {
     long n = PyLong_AsLong(arg);
@@ -339,6 +344,8 @@ static PyObject *py_bwd_workspace_len(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"openmp_enabled", py_openmp_enabled, METH_NOARGS,
      "openmp_enabled() -> bool: whether this build runs the (sequence, head) loop with OpenMP."},
+    {"isa", py_isa, METH_NOARGS,
+     "isa() -> 'generic' | 'avx2' | 'avx512': the instruction set the kernels were picked for."},
     {"_set_call_threads", py_set_call_threads, METH_O,
      "_set_call_threads(n) -> previous: threads for gufunc calls from this OS thread (0: default)."},
     {"_threads_for", py_threads_for, METH_O,
@@ -357,6 +364,7 @@ PyMODINIT_FUNC PyInit__core(void)
 {
     import_array();
     import_umath();
+    gdn_init();
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
     for (size_t i = 0; i < sizeof(gufuncs) / sizeof(gufuncs[0]); i++) {

@@ -27,6 +27,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* x86-64 with GCC or clang: the kernels are also compiled for AVX2 and AVX-512 and picked at run
+ * time. */
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#define GDN_X86_DISPATCH 1
+#else
+#define GDN_X86_DISPATCH 0
+#endif
+
+/* Pick the instruction set (call once, before any kernel); its name: "generic", "avx2", "avx512". */
+void gdn_init(void);
+const char *gdn_isa(void);
+
 /* Per-operand strides of the forward pass, in elements. "n" is the stride between the N loop
  * elements, "s" between the NS sequences of one packed (varlen) loop element; the other letters name
  * the core axis they step along. A scalar gate is a per-key gate with a_k = 0. */

@@ -1,29 +1,16 @@
 /*
- * gdn_kernels.c -- the gated delta rule kernels for float and double (see gdn.h for the legend).
- * The kernel pair is written once in gdn_recurrent.inc and instantiated here per precision.
+ * gdn_kernels.c -- what the kernels share (sizes, thread counts, cu_seqlens checks) and the run-time
+ * choice of instruction set: the kernel pair (gdn_recurrent.inc) is compiled three times on x86-64
+ * -- portable, AVX2 + FMA, AVX-512 -- and gdn_forward_f32 & co. call the best one the CPU has.
+ * Legend of dimension letters: see gdn.h.
  */
-#include <fenv.h>
-#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include "gdn.h"
 
 #ifdef _OPENMP
 #include <omp.h>
-#define GDN_THREAD_ID() omp_get_thread_num()
-#else
-#define GDN_THREAD_ID() 0
-#endif
-
-/* Vectorise reductions over Dk without -ffast-math: "omp simd" licenses reordering in that loop
- * only, so results still do not depend on the thread count. */
-#if defined(_OPENMP) || defined(GDN_OPENMP_SIMD)
-#define GDN_PRAGMA(x) _Pragma(#x)
-#define GDN_SIMD_SUM(acc) GDN_PRAGMA(omp simd reduction(+ : acc))
-#define GDN_SIMD GDN_PRAGMA(omp simd)
-#else
-#define GDN_SIMD_SUM(acc)
-#define GDN_SIMD
 #endif
 
 ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T)
@@ -102,25 +89,61 @@ int gdn_openmp_enabled(void)
 #endif
 }
 
-/* Floating-point exceptions raised in worker threads are invisible to NumPy, which reads the
- * calling thread's flags after the loop: each (sequence, head) collects its own, and the union is
- * raised again on the calling thread, so warnings do not depend on the thread count. */
-#define GDN_FE_FLAGS (FE_DIVBYZERO | FE_OVERFLOW | FE_INVALID | FE_UNDERFLOW)
 
-#define GDN_L2_EPS 1e-6   /* q, k normalisation: x / sqrt(sum x^2 + eps) */
+/* ---- run-time dispatch -------------------------------------------------------------------- */
 
-#define REAL double
-#define SFX(name) name##_f64
-#define GDN_SQRT sqrt
-#include "gdn_recurrent.inc"
-#undef REAL
-#undef SFX
-#undef GDN_SQRT
+#define GDN_DECLARE_ISA(isa)                                                                     \
+    void gdn_forward_f64_##isa(GDN_FWD_ARGS(double));                                           \
+    void gdn_forward_f32_##isa(GDN_FWD_ARGS(float));                                            \
+    void gdn_backward_f64_##isa(GDN_BWD_ARGS(double));                                          \
+    void gdn_backward_f32_##isa(GDN_BWD_ARGS(float));
+GDN_DECLARE_ISA(generic)
+#if GDN_X86_DISPATCH
+GDN_DECLARE_ISA(avx2)
+GDN_DECLARE_ISA(avx512)
+#endif
 
-#define REAL float
-#define SFX(name) name##_f32
-#define GDN_SQRT sqrtf
-#include "gdn_recurrent.inc"
-#undef REAL
-#undef SFX
-#undef GDN_SQRT
+static int isa_level = 0;   /* 0 portable, 1 AVX2 + FMA, 2 AVX-512; set once by gdn_init */
+static const char *const isa_names[] = {"generic", "avx2", "avx512"};
+
+void gdn_init(void)
+{
+    int best = 0;
+#if GDN_X86_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1;
+    if (best == 1 && __builtin_cpu_supports("avx512f")) best = 2;
+#endif
+    /* GDN_EXT_ISA=generic|avx2|avx512 asks for a lower level (tests, comparisons) */
+    const char *want = getenv("GDN_EXT_ISA");
+    int level = best;
+    if (want != NULL)
+        for (int i = 0; i < 3; i++)
+            if (strcmp(want, isa_names[i]) == 0 && i < best) level = i;
+    isa_level = level;
+}
+
+const char *gdn_isa(void) { return isa_names[isa_level]; }
+
+#if GDN_X86_DISPATCH
+#define GDN_DISPATCH(fn, ...)                                                                    \
+    do {                                                                                         \
+        if (isa_level == 2) fn##_avx512(__VA_ARGS__);                                            \
+        else if (isa_level == 1) fn##_avx2(__VA_ARGS__);                                         \
+        else fn##_generic(__VA_ARGS__);                                                          \
+    } while (0)
+#else
+#define GDN_DISPATCH(fn, ...) fn##_generic(__VA_ARGS__)
+#endif
+
+#define FWD_CALL o, S_T, q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens, st, sz, num_threads, ws
+#define BWD_CALL dq, dk, dv, dalpha, dbeta, dS_0, d_o, q, k, v, alpha, beta, S_0, dS_T, scale,   \
+                 normalize_qk, cu_seqlens, st, sz, num_threads, ws
+void gdn_forward_f64(GDN_FWD_ARGS(double)) { GDN_DISPATCH(gdn_forward_f64, FWD_CALL); }
+void gdn_forward_f32(GDN_FWD_ARGS(float)) { GDN_DISPATCH(gdn_forward_f32, FWD_CALL); }
+void gdn_backward_f64(GDN_BWD_ARGS(double)) { GDN_DISPATCH(gdn_backward_f64, BWD_CALL); }
+void gdn_backward_f32(GDN_BWD_ARGS(float)) { GDN_DISPATCH(gdn_backward_f32, BWD_CALL); }
+
+/* ---- the portable instance ---------------------------------------------------------------- */
+#define GDN_ISA generic
+#include "gdn_instances.inc"

@@ -1,0 +1,19 @@
+/*
+ * gdn_kernels_avx512.c -- the kernel pair compiled for AVX512; chosen at run time by
+ * gdn_kernels.c only when the CPU has it (the default build targets plain x86-64).
+ */
+#include "gdn.h"
+#if GDN_X86_DISPATCH
+#include <fenv.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#pragma GCC target("avx512f,avx512vl,avx2,fma")
+#define GDN_ISA avx512
+#include "gdn_instances.inc"
+#else
+typedef int gdn_kernels_avx512_is_empty; /* not x86-64 GCC/clang: only the portable instance */
+#endif
