@@ -84,6 +84,9 @@ typedef struct {
     int dalpha_summed;   /* scalar gate: the backward writes dalpha[t] = sum_j dalpha[t, j] */
 } gdn_sizes;
 
+/* State rows updated together by the kernels (the state's rows are padded to a multiple). */
+#define GDN_ROWS 4
+
 /* Checkpoint interval C of the backward pass: ceil(sqrt(T)), which minimises the
  * (ceil(T/C) + C + 2) states held per (sequence, head): checkpoints, a segment, and G. */
 ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T);

@@ -27,20 +27,23 @@ static size_t mul_add(size_t a, size_t b, size_t c)
     return a * b + c;
 }
 
+static size_t padded(ptrdiff_t Dv) { return ((size_t)Dv + GDN_ROWS - 1) / GDN_ROWS * GDN_ROWS; }
+
 size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     (void)T;
-    /* S + q_t, k_t, alpha_t, alpha_t k_t */
-    return mul_add((size_t)Dv + 4, (size_t)Dk, 0);
+    /* S (rows padded) + q_t, k_t, alpha_t, alpha_t k_t, alpha_t q_t + v_t */
+    return mul_add(padded(Dv) + 5, (size_t)Dk, padded(Dv));
 }
 
 size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     const ptrdiff_t C = gdn_checkpoint_interval(T);
     const ptrdiff_t nseg = T > 0 ? (T + C - 1) / C : 0;
-    /* checkpoints + (C + 1) segment states + G, (v - p) per step + do_t, seven Dk vectors */
-    size_t states = mul_add((size_t)(nseg + C + 2), (size_t)Dv, 0);
-    size_t vectors = mul_add((size_t)C + 1, (size_t)Dv, 7 * (size_t)Dk);
+    /* checkpoints + (C + 1) segment states + G (rows padded), (v - p) per step + do_t + v_t,
+     * seven Dk vectors */
+    size_t states = mul_add((size_t)(nseg + C + 2), padded(Dv), 0);
+    size_t vectors = mul_add((size_t)C + 2, padded(Dv), 7 * (size_t)Dk);
     if (states == SIZE_MAX || vectors == SIZE_MAX) return SIZE_MAX;
     return mul_add(states, (size_t)Dk, vectors);
 }
@@ -114,12 +117,14 @@ void gdn_init(void)
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1;
     if (best == 1 && __builtin_cpu_supports("avx512f")) best = 2;
 #endif
-    /* GDN_EXT_ISA=generic|avx2|avx512 asks for a lower level (tests, comparisons) */
+    /* AVX2 by default even where AVX-512 exists: GCC's 512-bit code for these row loops measured
+     * slower on the machines tried (python -m gdn_ext.bench --isa compares them). */
+    int level = best < 1 ? best : 1;
+    /* GDN_EXT_ISA=generic|avx2|avx512 asks for a level the CPU has (tests, comparisons) */
     const char *want = getenv("GDN_EXT_ISA");
-    int level = best;
     if (want != NULL)
         for (int i = 0; i < 3; i++)
-            if (strcmp(want, isa_names[i]) == 0 && i < best) level = i;
+            if (strcmp(want, isa_names[i]) == 0 && i <= best) level = i;
     isa_level = level;
 }
 

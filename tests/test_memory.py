@@ -45,4 +45,4 @@ def test_workspace_formula_is_sqrt_t():
         C = gdn_ext.checkpoint_interval(T)
         assert C * C >= T and (C - 1) ** 2 < T
         nseg = -(-T // C)
-        assert _core.bwd_workspace_len(T, 8, 4) == (nseg + C + 2) * 32 + (C + 1) * 4 + 7 * 8
+        assert _core.bwd_workspace_len(T, 8, 4) == (nseg + C + 2) * 32 + (C + 2) * 4 + 7 * 8
