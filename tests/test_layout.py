@@ -230,3 +230,39 @@ def test_floating_point_errors_seen_from_any_thread(num_threads):
         gdn_ext.gated_delta_rule(*args, **kw, num_threads=num_threads)
     with np.errstate(invalid="raise", over="raise"), pytest.raises(FloatingPointError):
         gdn_ext.gated_delta_rule_backward(np.ones_like(o), *args, **kw, num_threads=num_threads)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_every_instruction_set_matches_the_reference(isa):
+    """The kernels are compiled per instruction set and picked at run time; GDN_EXT_ISA selects
+    one (if the CPU has it) in a fresh process. Each must agree with the NumPy reference."""
+    import subprocess
+    import sys
+    code = r"""
+import sys, numpy as np, gdn_ext
+from gdn_ext import reference, _core
+sys.path.insert(0, "tests")
+from helpers import make_inputs, split, assert_rel_close
+for dt, tol in ((np.float64, 1e-12), (np.float32, 2e-5)):
+    inputs = make_inputs(np.random.default_rng(1), 2, 37, 3, 12, 10, dtype=dt)
+    args, kw = split(inputs)
+    o, S = gdn_ext.gated_delta_rule(*args, **kw, normalize_qk=True)
+    o_r, S_r = reference.gated_delta_rule(*(a.astype(np.float64) for a in args),
+        **{n: a.astype(np.float64) for n, a in kw.items()}, normalize_qk=True)
+    assert_rel_close(o, o_r, tol, "o"); assert_rel_close(S, S_r, tol, "S_T")
+    do = np.ones_like(o)
+    g = gdn_ext.gated_delta_rule_backward(do, *args, **kw, normalize_qk=True)
+    g_r = reference.gated_delta_rule_backward(do.astype(np.float64), *(a.astype(np.float64) for a in args),
+        **{n: a.astype(np.float64) for n, a in kw.items()}, normalize_qk=True)
+    for n in g._fields:
+        assert_rel_close(getattr(g, n), getattr(g_r, n), 10 * tol, n)
+print(_core.isa())
+"""
+    env = dict(__import__("os").environ, GDN_EXT_ISA=isa)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=__import__("os").path.dirname(__import__("os").path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    used = out.stdout.strip()
+    assert used in ("generic", "avx2", "avx512")
+    if used != isa:   # the CPU lacks it: the request falls back to what it has
+        assert ["generic", "avx2", "avx512"].index(used) < ["generic", "avx2", "avx512"].index(isa)

@@ -1,0 +1,390 @@
+"""``python -m gdn_ext.bench``: gdn_ext's speed next to its peers, in one process, on the same inputs
+and the same number of threads.
+
+Rows (median of ``--repeat`` runs after one warm-up):
+- gdn_ext forward, backward and forward + backward, float32 and float64, for every variant of the
+  kernels (scalar gate; per-key gate; grouped value heads; packed sequences; q/k normalisation);
+- the design note's loop written in PyTorch (torch ops per step), forward and autograd backward;
+- transformers' ``torch_chunk_gated_delta_rule`` and ``torch_recurrent_gated_delta_rule`` (when
+  transformers is installed), forward and forward + backward through autograd;
+- ``gdn_ext.reference`` (NumPy loop) on a shorter sequence;
+- NumPy's matrix product, 1024^3, same dtype and threads: the practical ceiling of the machine's
+  multiply-add units.
+
+GFLOP/s counts the forward's 7 * Dk * Dv floating-point operations per token and value head for
+every row (backward rows included), so it is a rate of useful work that compares across rows; the
+matmul row counts 2 n^3. Then: backward peak extra memory against PyTorch autograd's, sweeps over T
+(cost must grow linearly), Dk = Dv and threads, and one decode step against a full call's per-token
+time. ``--json FILE`` writes every number, ``--plot FILE.png`` draws them.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+import gdn_ext
+from gdn_ext import _core, reference
+
+__all__ = ["main", "run"]
+
+
+def _timeit(fn, repeat):
+    fn()                                               # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _inputs(B, T, H, D, dtype, seed=0, HV=None, per_key=False):
+    rng = np.random.default_rng(seed)
+    HV = H if HV is None else HV
+    q = rng.standard_normal((B, T, H, D)).astype(dtype)
+    k = rng.standard_normal((B, T, H, D))
+    k = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype)
+    v = rng.standard_normal((B, T, HV, D)).astype(dtype)
+    beta = rng.uniform(0.1, 0.9, (B, T, HV)).astype(dtype)
+    g_shape = (B, T, HV, D) if per_key else (B, T, HV)
+    g = np.log(rng.uniform(0.9, 1.0, g_shape)).astype(dtype)
+    return dict(q=q, k=k, v=v, beta=beta, g=g)
+
+
+def _gdn_calls(x, threads, **kw):
+    args = (x["q"], x["k"], x["v"])
+    rest = dict(beta=x["beta"], g=x["g"], num_threads=threads, **kw)
+    o, _ = gdn_ext.gated_delta_rule(*args, **rest)
+    do = np.ones_like(o)
+
+    def fwd():
+        return gdn_ext.gated_delta_rule(*args, **rest)
+
+    def bwd():
+        return gdn_ext.gated_delta_rule_backward(do, *args, **rest)
+
+    def both():
+        fwd()
+        bwd()
+    return fwd, bwd, both
+
+
+class Table:
+    """Rows of (name, seconds, tokens) with their derived rates."""
+
+    def __init__(self, flops_per_token):
+        self.rows = []
+        self.flops_per_token = flops_per_token
+
+    def add(self, group, name, seconds, tokens, flops=None):
+        flops = self.flops_per_token * tokens if flops is None else flops
+        self.rows.append(dict(group=group, name=name, seconds=seconds, tokens=tokens,
+                              tokens_per_s=tokens / seconds, gflops=flops / seconds / 1e9))
+        return self.rows[-1]
+
+
+def _torch_rows(table, x, threads, repeat, torch_T):
+    """The design note's loop in torch and transformers' fallbacks, same inputs (first torch_T)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    import gdn_ext.torch as gt
+    torch.set_num_threads(threads)
+    dt = x["q"].dtype
+    tdt = torch.float64 if dt == np.float64 else torch.float32
+    T = min(torch_T, x["q"].shape[1])
+    B = x["q"].shape[0]
+    t = {n: torch.from_numpy(np.ascontiguousarray(a[:, :T])) for n, a in x.items()}
+    name = np.dtype(dt).name
+
+    def loop_fwd():
+        with torch.no_grad():
+            gt.reference_gated_delta_rule(t["q"], t["k"], t["v"], beta=t["beta"], g=t["g"])
+
+    def loop_both():
+        leaves = {n: a.clone().requires_grad_() for n, a in t.items()}
+        o, S = gt.reference_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"],
+                                             beta=leaves["beta"], g=leaves["g"])
+        o.sum().backward()
+
+    table.add("torch loop", f"design-note loop in torch, forward ({name}, T={T})",
+              _timeit(loop_fwd, max(1, repeat // 2)), B * T)
+    table.add("torch loop", f"design-note loop in torch, fwd+bwd ({name}, T={T})",
+              _timeit(loop_both, max(1, repeat // 2)), B * T)
+    try:
+        import transformers.models.qwen3_next.modeling_qwen3_next as q3
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        return
+    D = x["q"].shape[-1]
+    for label, fn in (("chunk", q3.torch_chunk_gated_delta_rule),
+                      ("recurrent", q3.torch_recurrent_gated_delta_rule)):
+        # transformers scales q by D^-0.5 itself: same work as gdn_ext with scale = D^-0.5
+        def f_fwd(fn=fn):
+            with torch.no_grad():
+                fn(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"])
+
+        def f_both(fn=fn):
+            leaves = {n: a.clone().requires_grad_() for n, a in t.items()}
+            o, _ = fn(leaves["q"], leaves["k"], leaves["v"], g=leaves["g"], beta=leaves["beta"])
+            o.sum().backward()
+        reps = max(1, repeat // 2) if label == "recurrent" else repeat
+        table.add("transformers", f"transformers torch_{label}_gated_delta_rule, forward "
+                  f"({name}, T={T})", _timeit(f_fwd, reps), B * T)
+        table.add("transformers", f"transformers torch_{label}_gated_delta_rule, fwd+bwd "
+                  f"({name}, T={T})", _timeit(f_both, reps), B * T)
+    del D, tdt
+
+
+def _matmul_gflops(dtype, threads, repeat, n=1024):
+    from threadpoolctl import threadpool_limits
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
+    b = a.T.copy()
+    with threadpool_limits(limits=threads, user_api="blas"):
+        t = _timeit(lambda: a @ b, repeat)
+    return 2 * n ** 3 / t / 1e9
+
+
+def _backward_memory(B, T, H, D, threads):
+    """Peak extra bytes of gdn_ext's backward (tracemalloc, the gradients themselves excluded)
+    and the bytes PyTorch autograd saves for the backward of the torch loop and of transformers'
+    chunk fallback (saved-tensor hooks), float32."""
+    x = _inputs(B, T, H, D, np.float32, seed=1)
+    args = (x["q"], x["k"], x["v"])
+    o, _ = gdn_ext.gated_delta_rule(*args, beta=x["beta"], g=x["g"], num_threads=threads)
+    do = np.ones_like(o)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        grads = gdn_ext.gated_delta_rule_backward(do, *args, beta=x["beta"], g=x["g"],
+                                                  num_threads=threads)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    out = {"T": T, "gdn_ext_backward_extra_bytes": peak - sum(g.nbytes for g in grads)}
+    try:
+        import torch
+        import gdn_ext.torch as gt
+    except ImportError:
+        return out
+
+    def saved_bytes(run):
+        """Bytes autograd would keep for the backward; counted, not kept (the pack hook returns
+        a placeholder, so a 16 GiB graph never sits in memory)."""
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+            run()
+        return total[0]
+    t = {n: torch.from_numpy(a).requires_grad_() for n, a in x.items()}
+    out["torch_loop_saved_bytes"] = saved_bytes(lambda: gt.reference_gated_delta_rule(
+        t["q"], t["k"], t["v"], beta=t["beta"], g=t["g"]))
+    try:
+        import transformers.models.qwen3_next.modeling_qwen3_next as q3
+        out["transformers_chunk_saved_bytes"] = saved_bytes(lambda: q3.torch_chunk_gated_delta_rule(
+            t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"]))
+    except ImportError:
+        pass
+    return out
+
+
+def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=128,
+        sweep_T=(256, 1024, 4096, 16384), sweep_D=(64, 128, 256), memory_T=8192, quick=False,
+        log=print):
+    """Run every measurement; returns a dict (the --json content). Sizes are tokens per sequence
+    (T), batch (B), heads (H), head width (Dk = Dv = D)."""
+    threads = threads or _core._threads_for(1 << 30)
+    torch_T = T if torch_T is None else torch_T
+    res = {"machine": dict(platform=platform.platform(), processor=platform.processor(),
+                           cpus=os.cpu_count(), isa=_core.isa(), openmp=gdn_ext.openmp_enabled(),
+                           numpy=np.__version__, gdn_ext=gdn_ext.__version__),
+           "shape": dict(B=B, T=T, H=H, Dk=D, Dv=D), "threads": threads,
+           "flop_convention": "7*Dk*Dv per token and value head (the forward's work), every row"}
+    log(f"gdn_ext bench: B={B} T={T} H={H} Dk=Dv={D}, {threads} threads, kernels {_core.isa()}, "
+        f"median of {repeat}")
+    tables = {}
+    for dt in (np.float32, np.float64):
+        name = np.dtype(dt).name
+        table = Table(7 * D * D * H)
+        ceiling = _matmul_gflops(dt, threads, repeat)
+        x = _inputs(B, T, H, D, dt)
+        fwd, bwd, both = _gdn_calls(x, threads)
+        t_f = table.add("gdn_ext", f"gdn_ext forward ({name})", _timeit(fwd, repeat), B * T)
+        t_b = table.add("gdn_ext", f"gdn_ext backward ({name})", _timeit(bwd, repeat), B * T)
+        t_fb = table.add("gdn_ext", f"gdn_ext fwd+bwd ({name})", _timeit(both, repeat), B * T)
+        variants = {
+            "per-key gate": (_inputs(B, T, H, D, dt, per_key=True), {}),
+            "grouped heads (HV = 2H)": (_inputs(B, T, H // 2 or 1, D, dt, HV=H), {}),
+            "q/k L2 norm": (x, dict(normalize_qk=True)),
+        }
+        packed = {n: a.reshape((1, B * T) + a.shape[2:]) for n, a in x.items()}
+        cu = np.linspace(0, B * T, 2 * B + 1).astype(np.int64)   # 2B sequences of T/2
+        variants["packed (cu_seqlens, 2B seqs)"] = (packed, dict(cu_seqlens=cu))
+        for label, (xv, kw) in variants.items():
+            f2, b2, _ = _gdn_calls(xv, threads, **kw)
+            table.add("gdn_ext", f"gdn_ext forward, {label} ({name})", _timeit(f2, repeat), B * T)
+            table.add("gdn_ext", f"gdn_ext backward, {label} ({name})", _timeit(b2, repeat), B * T)
+        if not quick or dt == np.float32:
+            _torch_rows(table, x, threads, repeat, torch_T)
+        xs = {n: a[:, :numpy_T] for n, a in x.items()}
+        table.add("numpy", f"gdn_ext.reference forward ({name}, T={numpy_T})",
+                  _timeit(lambda: reference.gated_delta_rule(xs["q"], xs["k"], xs["v"],
+                                                             beta=xs["beta"], g=xs["g"]),
+                          max(1, repeat // 2)), B * numpy_T)
+        table.add("ceiling", f"numpy matmul 1024^3 ({name})", 2 * 1024 ** 3 / ceiling / 1e9, 0,
+                  flops=2 * 1024 ** 3)
+        _print_table(table, t_f, t_fb, ceiling, log)
+        tables[name] = dict(rows=table.rows, matmul_gflops=ceiling,
+                            forward_fraction_of_matmul=t_f["gflops"] / ceiling,
+                            backward_over_forward=t_b["seconds"] / t_f["seconds"])
+    res["tables"] = tables
+
+    log("\nT sweep (float32 forward; cost must grow linearly: time per token stays flat)")
+    res["sweep_T"] = []
+    for Ts in sweep_T:
+        x = _inputs(1 if quick else B, Ts, H, D, np.float32)
+        fwd, bwd, _ = _gdn_calls(x, threads)
+        tf, tb = _timeit(fwd, repeat), _timeit(bwd, max(1, repeat // 2))
+        ntok = x["q"].shape[0] * Ts
+        res["sweep_T"].append(dict(T=Ts, forward_s=tf, backward_s=tb,
+                                   forward_us_per_token=1e6 * tf / ntok,
+                                   backward_us_per_token=1e6 * tb / ntok))
+        log(f"  T={Ts:>6}: forward {1e6 * tf / ntok:8.2f} us/token, backward "
+            f"{1e6 * tb / ntok:8.2f} us/token")
+
+    log("\nDk = Dv sweep (float32, T as above)")
+    res["sweep_D"] = []
+    for Ds in sweep_D:
+        x = _inputs(B, T, H, Ds, np.float32)
+        fwd, bwd, _ = _gdn_calls(x, threads)
+        tf, tb = _timeit(fwd, repeat), _timeit(bwd, max(1, repeat // 2))
+        gf = 7 * Ds * Ds * H * B * T / tf / 1e9
+        res["sweep_D"].append(dict(D=Ds, forward_s=tf, backward_s=tb, forward_gflops=gf))
+        log(f"  D={Ds:>4}: forward {1e3 * tf:8.2f} ms ({gf:6.1f} GFLOP/s), backward "
+            f"{1e3 * tb:8.2f} ms ({tb / tf:.2f}x)")
+
+    log("\nthread sweep (float32 forward, default shape)")
+    res["sweep_threads"] = []
+    x = _inputs(B, T, H, D, np.float32)
+    base = None
+    for n in range(1, threads + 1):
+        fwd, _, _ = _gdn_calls(x, n)
+        tf = _timeit(fwd, repeat)
+        base = base or tf
+        res["sweep_threads"].append(dict(threads=n, forward_s=tf, speedup=base / tf,
+                                         efficiency=base / tf / n))
+        log(f"  {n:>2} threads: forward {1e3 * tf:8.2f} ms, speed-up {base / tf:5.2f}, "
+            f"efficiency {100 * base / tf / n:5.1f} %")
+
+    log("\ndecode: one gated_delta_rule_step (B=1, H=32) vs the per-token time of a full call")
+    Hd, Td = 32, (128 if quick else 1024)
+    xd = _inputs(1, Td, Hd, D, np.float32)
+    full = _timeit(lambda: gdn_ext.gated_delta_rule(xd["q"], xd["k"], xd["v"], beta=xd["beta"],
+                                                    g=xd["g"], num_threads=threads), repeat) / Td
+    state = np.zeros((1, Hd, D, D), np.float32)
+    step = _timeit(lambda: gdn_ext.gated_delta_rule_step(
+        xd["q"][:, 0], xd["k"][:, 0], xd["v"][:, 0], beta=xd["beta"][:, 0], g=xd["g"][:, 0],
+        state=state, num_threads=threads), max(repeat, 20))
+    res["decode"] = dict(H=Hd, D=D, step_s=step, full_call_per_token_s=full, ratio=step / full)
+    log(f"  step {1e6 * step:8.1f} us, full call {1e6 * full:8.1f} us/token: ratio {step / full:.2f}")
+
+    mem = _backward_memory(B, memory_T, H, D, threads)
+    res["backward_memory"] = mem
+    log(f"\nbackward extra memory at T={memory_T} (float32): gdn_ext "
+        f"{mem['gdn_ext_backward_extra_bytes'] / 2**20:.1f} MiB")
+    for key, label in (("torch_loop_saved_bytes", "design-note loop, torch autograd"),
+                       ("transformers_chunk_saved_bytes", "transformers chunk, torch autograd")):
+        if key in mem:
+            log(f"  {label}: {mem[key] / 2**20:.1f} MiB saved for backward "
+                f"({mem[key] / max(1, mem['gdn_ext_backward_extra_bytes']):.0f}x gdn_ext)")
+    return res
+
+
+def _print_table(table, t_f, t_fb, ceiling, log):
+    log(f"\n{'':<62}{'time':>10}{'tokens/s':>12}{'GFLOP/s':>9}{'vs matmul':>10}"
+        f"{'gdn_ext fwd':>12}{'gdn_ext f+b':>12}")
+    for r in table.rows:
+        if r["group"] == "ceiling":
+            log(f"{r['name']:<62}{1e3 * r['seconds']:>8.1f}ms{'':>12}{r['gflops']:>9.1f}"
+                f"{1.0:>10.2f}")
+            continue
+        per_tok = r["seconds"] / r["tokens"]
+        vs_f = per_tok / (t_f["seconds"] / t_f["tokens"])
+        vs_fb = per_tok / (t_fb["seconds"] / t_fb["tokens"])
+        log(f"{r['name']:<62}{1e3 * r['seconds']:>8.1f}ms{r['tokens_per_s']:>12,.0f}"
+            f"{r['gflops']:>9.1f}{r['gflops'] / ceiling:>10.2f}{vs_f:>12.2f}x{vs_fb:>12.2f}x")
+
+
+def plot(res, path):
+    """Draw the T sweep, the thread sweep and the default-shape rows (needs matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    sw = res["sweep_T"]
+    axes[0].loglog([s["T"] for s in sw], [s["forward_s"] for s in sw], "o-", label="forward")
+    axes[0].loglog([s["T"] for s in sw], [s["backward_s"] for s in sw], "s-", label="backward")
+    axes[0].set(xlabel="T (tokens)", ylabel="seconds", title="cost vs T (linear = slope 1)")
+    axes[0].legend()
+    th = res["sweep_threads"]
+    n = [s["threads"] for s in th]
+    axes[1].plot(n, [s["speedup"] for s in th], "o-", label="measured")
+    axes[1].plot(n, n, "k--", lw=0.8, label="ideal")
+    axes[1].set(xlabel="threads", ylabel="forward speed-up", title="OpenMP scaling")
+    axes[1].legend()
+    rows = res["tables"]["float32"]["rows"]
+    names = [r["name"].replace(" (float32", " (").replace(" ()", "") for r in rows
+             if r["group"] != "ceiling"]
+    rates = [r["tokens_per_s"] for r in rows if r["group"] != "ceiling"]
+    axes[2].barh(range(len(rates)), rates)
+    axes[2].set_yticks(range(len(rates)), names, fontsize=6)
+    axes[2].set_xscale("log")
+    axes[2].set(xlabel="tokens / s (float32)", title="default shape")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m gdn_ext.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None, help="default: OpenMP's default")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--torch-seq-len", type=int, default=None,
+                    help="T for the torch rows (default: --seq-len)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--plot", metavar="FILE.png")
+    a = ap.parse_args(argv)
+    kw = dict(B=a.batch, T=a.seq_len, H=a.heads, D=a.head_dim, threads=a.threads,
+              repeat=a.repeat, torch_T=a.torch_seq_len)
+    if a.quick:
+        kw.update(B=1, T=64, H=2, D=16, repeat=1, torch_T=32, numpy_T=16, sweep_T=(32, 64),
+                  sweep_D=(8, 16), memory_T=256, quick=True)
+    res = run(**kw)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if a.plot:
+        plot(res, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

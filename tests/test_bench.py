@@ -1,0 +1,36 @@
+"""The benchmark runs end to end on tiny sizes (so it cannot rot); no timing is asserted."""
+import json
+
+import pytest
+
+from gdn_ext import bench
+
+
+def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
+    argv = ["--quick", "--json", str(tmp_path / "b.json")]
+    try:
+        import matplotlib  # noqa: F401
+        argv += ["--plot", str(tmp_path / "b.png")]
+    except ImportError:
+        pass
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    for words in ("gdn_ext forward (float32)", "numpy matmul 1024^3", "T sweep", "thread sweep",
+                  "decode", "backward extra memory"):
+        assert words in out
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert set(res["tables"]) == {"float32", "float64"}
+    for table in res["tables"].values():
+        assert table["matmul_gflops"] > 0 and table["backward_over_forward"] > 0
+        assert all(r["seconds"] > 0 for r in table["rows"])
+    assert [s["T"] for s in res["sweep_T"]] == [32, 64]
+    assert res["backward_memory"]["gdn_ext_backward_extra_bytes"] > 0
+    if "--plot" in argv:
+        assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_bench_rows_include_the_peers(capsys):
+    pytest.importorskip("torch")
+    bench.main(["--quick"])
+    out = capsys.readouterr().out
+    assert "design-note loop in torch, forward" in out
