@@ -84,8 +84,12 @@ typedef struct {
     int dalpha_summed;   /* scalar gate: the backward writes dalpha[t] = sum_j dalpha[t, j] */
 } gdn_sizes;
 
-/* State rows updated together by the kernels (the state's rows are padded to a multiple). */
+/* State rows updated together by the backward kernel (its state rows are padded to a multiple);
+ * GDN_FWD_COLS_MAX, the most value columns in one strip of the forward kernel's transposed state
+ * (4 vector registers: 64 floats with AVX-512). */
 #define GDN_ROWS 4
+#define GDN_FWD_COLS_MAX 64
+#define GDN_FWD_PAD 16   /* elements added to the transposed state's row stride (see forward_one) */
 
 /* Checkpoint interval C of the backward pass: ceil(sqrt(T)), which minimises the
  * (ceil(T/C) + C + 2) states held per (sequence, head): checkpoints, a segment, and G. */

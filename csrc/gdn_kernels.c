@@ -32,8 +32,10 @@ static size_t padded(ptrdiff_t Dv) { return ((size_t)Dv + GDN_ROWS - 1) / GDN_RO
 size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     (void)T;
-    /* S (rows padded) + q_t, k_t, alpha_t, alpha_t k_t, alpha_t q_t + v_t */
-    return mul_add(padded(Dv) + 5, (size_t)Dk, padded(Dv));
+    /* S^T (value columns padded to a whole strip) + q_t, k_t, alpha_t, alpha_t k_t, alpha_t q_t
+     * + v_t */
+    const size_t DvF = ((size_t)Dv + GDN_FWD_COLS_MAX - 1) / GDN_FWD_COLS_MAX * GDN_FWD_COLS_MAX;
+    return mul_add(DvF + GDN_FWD_PAD + 5, (size_t)Dk, DvF);
 }
 
 size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
@@ -150,5 +152,6 @@ void gdn_backward_f64(GDN_BWD_ARGS(double)) { GDN_DISPATCH(gdn_backward_f64, BWD
 void gdn_backward_f32(GDN_BWD_ARGS(float)) { GDN_DISPATCH(gdn_backward_f32, BWD_CALL); }
 
 /* ---- the portable instance ---------------------------------------------------------------- */
+#define GDN_VEC_BYTES 16   /* one vector register */
 #define GDN_ISA generic
 #include "gdn_instances.inc"

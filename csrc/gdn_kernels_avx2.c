@@ -12,6 +12,7 @@
 #include <omp.h>
 #endif
 #pragma GCC target("avx2,fma")
+#define GDN_VEC_BYTES 32   /* one vector register */
 #define GDN_ISA avx2
 #include "gdn_instances.inc"
 #else
