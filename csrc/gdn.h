@@ -89,7 +89,9 @@ typedef struct {
  * (4 vector registers: 64 floats with AVX-512). */
 #define GDN_ROWS 4
 #define GDN_FWD_COLS_MAX 64
-#define GDN_FWD_PAD 16   /* elements added to the transposed state's row stride (see forward_one) */
+#define GDN_FWD_PAD 16
+/* Sequences of at most this many steps run the forward on the untransposed state (decoding). */
+#define GDN_ROWWISE_MAX_T 4   /* elements added to the transposed state's row stride (see forward_one) */
 
 /* Checkpoint interval C of the backward pass: ceil(sqrt(T)), which minimises the
  * (ceil(T/C) + C + 2) states held per (sequence, head): checkpoints, a segment, and G. */

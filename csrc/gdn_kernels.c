@@ -35,7 +35,8 @@ size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
     /* S^T (value columns padded to a whole strip) + q_t, k_t, alpha_t, alpha_t k_t, alpha_t q_t
      * + v_t */
     const size_t DvF = ((size_t)Dv + GDN_FWD_COLS_MAX - 1) / GDN_FWD_COLS_MAX * GDN_FWD_COLS_MAX;
-    return mul_add(DvF + GDN_FWD_PAD + 5, (size_t)Dk, DvF);
+    /* (+ r, w [DvF] for short sequences, which use S^T's room for the untransposed state) */
+    return mul_add(DvF + GDN_FWD_PAD + 5, (size_t)Dk, 3 * DvF);
 }
 
 size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)

@@ -445,7 +445,8 @@ def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, sca
     ``o_t, S_t = gated_delta_rule_step(q_t, k_t, v_t, beta=beta_t, alpha=alpha_t, state=S_{t-1})``
     computes, per sequence and value head, ``S_t = S_{t-1} D_t + beta_t (v_t - S_{t-1} D_t k_t)
     k_t^T`` and ``o_t = scale S_t q_t``. Feeding a sequence one token at a time gives the same
-    outputs and final state as one call of :func:`gated_delta_rule` (bitwise: same kernel).
+    outputs and final state as one call of :func:`gated_delta_rule`, up to rounding (a few steps
+    run on the state as stored, a long call on its transpose: the sums run in another order).
 
     Parameters
     ----------
