@@ -200,6 +200,29 @@ def _backward_memory(B, T, H, D, threads):
     return out
 
 
+def thread_scaling(B=4, T=2048, H=16, D=128, thread_counts=(1, 2, 4, 8, 16), repeat=5, log=print):
+    """Forward and backward time (float32) of one shape for each thread count: the OpenMP loop's
+    parallel efficiency, speed-up / threads."""
+    x = _inputs(B, T, H, D, np.float32)
+    rows, base_f, base_b = [], None, None
+    log(f"thread scaling: B={B} T={T} H={H} Dk=Dv={D} float32 (B*H = {B * H} pairs), kernels "
+        f"{_core.isa()}, {os.cpu_count()} CPUs")
+    for n in thread_counts:
+        fwd, bwd, _ = _gdn_calls(x, n)
+        tf, tb = _timeit(fwd, repeat), _timeit(bwd, max(1, repeat // 2))
+        base_f, base_b = base_f or tf * thread_counts[0], base_b or tb * thread_counts[0]
+        rows.append(dict(threads=n, forward_s=tf, backward_s=tb, forward_speedup=base_f / tf,
+                         backward_speedup=base_b / tb, forward_efficiency=base_f / tf / n,
+                         backward_efficiency=base_b / tb / n,
+                         forward_gflops=7 * D * D * H * B * T / tf / 1e9))
+        r = rows[-1]
+        log(f"  {n:>3} threads: forward {1e3 * tf:9.2f} ms ({r['forward_gflops']:6.1f} GFLOP/s, "
+            f"efficiency {100 * r['forward_efficiency']:5.1f} %), backward {1e3 * tb:9.2f} ms "
+            f"(efficiency {100 * r['backward_efficiency']:5.1f} %)")
+    return dict(shape=dict(B=B, T=T, H=H, Dk=D, Dv=D), isa=_core.isa(), cpus=os.cpu_count(),
+                rows=rows)
+
+
 def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=128,
         sweep_T=(256, 1024, 4096, 16384), sweep_D=(64, 128, 256), memory_T=8192, quick=False,
         log=print):
@@ -369,9 +392,18 @@ def main(argv=None):
     ap.add_argument("--torch-seq-len", type=int, default=None,
                     help="T for the torch rows (default: --seq-len)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    ap.add_argument("--scaling", type=int, nargs="+", metavar="N",
+                    help="only the thread-scaling run, for these thread counts (e.g. 1 2 4 8 16)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--plot", metavar="FILE.png")
     a = ap.parse_args(argv)
+    if a.scaling:
+        res = thread_scaling(B=a.batch, T=a.seq_len, H=a.heads, D=a.head_dim,
+                             thread_counts=tuple(a.scaling), repeat=a.repeat)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     kw = dict(B=a.batch, T=a.seq_len, H=a.heads, D=a.head_dim, threads=a.threads,
               repeat=a.repeat, torch_T=a.torch_seq_len)
     if a.quick:
