@@ -245,19 +245,19 @@ static PyUFuncGenericFunction bwd_funcs[] = {bwd_loop_f32, bwd_loop_f64};
 static PyUFuncGenericFunction gen_fwd_funcs[] = {gen_fwd_loop_f32, gen_fwd_loop_f64};
 static PyUFuncGenericFunction gen_bwd_funcs[] = {gen_bwd_loop_f32, gen_bwd_loop_f64};
 static void *no_data[] = {NULL, NULL};
-#define F NPY_FLOAT
-#define D NPY_DOUBLE
-#define I NPY_INT64
-static const char fwd_types[] = {F, F, F, F, F, F, F, F, F,  D, D, D, D, D, D, D, D, D};
-static const char bwd_types[] = {F, F, F, F, F, F, F, F, F, F, F, F, F, F, F,
-                                 D, D, D, D, D, D, D, D, D, D, D, D, D, D, D};
-static const char gen_fwd_types[] = {F, F, F, F, F, F, F, F, I, F, F,
-                                     D, D, D, D, D, D, D, D, I, D, D};
-static const char gen_bwd_types[] = {F, F, F, F, F, F, F, F, F, F, I, F, F, F, F, F, F,
-                                     D, D, D, D, D, D, D, D, D, D, I, D, D, D, D, D, D};
-#undef F
-#undef D
-#undef I
+#define TF NPY_FLOAT
+#define TD NPY_DOUBLE
+#define TI NPY_INT64
+static const char fwd_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF,  TD, TD, TD, TD, TD, TD, TD, TD, TD};
+static const char bwd_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF,
+                                 TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD};
+static const char gen_fwd_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF,
+                                     TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD};
+static const char gen_bwd_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF, TF, TF, TF, TF,
+                                     TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD, TD, TD, TD};
+#undef TF
+#undef TD
+#undef TI
 
 typedef struct {
     const char *name;

@@ -204,21 +204,50 @@ def thread_scaling(B=4, T=2048, H=16, D=128, thread_counts=(1, 2, 4, 8, 16), rep
     """Forward and backward time (float32) of one shape for each thread count: the OpenMP loop's
     parallel efficiency, speed-up / threads."""
     x = _inputs(B, T, H, D, np.float32)
-    rows, base_f, base_b = [], None, None
+    # the kernels' own loop: the raw gufuncs over B*H (sequence, head) pairs in one call, on
+    # [B*H, T, D] inputs with preallocated outputs (no page faults of fresh output arrays)
+    kx = {n: np.ascontiguousarray(np.moveaxis(a, 2, 1)).reshape((B * H, T) + a.shape[3:])
+          for n, a in x.items()}
+    alpha = np.exp(kx["g"])
+    S0 = np.zeros((B * H, D, D), np.float32)
+    o, S_T = np.empty((B * H, T, D), np.float32), np.empty_like(S0)
+    grads = [np.empty_like(kx["q"]), np.empty_like(kx["k"]), np.empty_like(kx["v"]),
+             np.empty_like(alpha), np.empty_like(alpha), np.empty_like(S0)]
+    from . import ufuncs
+
+    def kernel_fwd():
+        ufuncs.gated_delta_rule_fwd(kx["q"], kx["k"], kx["v"], alpha, kx["beta"], S0, 1.0,
+                                    out=(o, S_T))
+
+    def kernel_bwd():
+        ufuncs.gated_delta_rule_bwd(o, kx["q"], kx["k"], kx["v"], alpha, kx["beta"], S0, S0, 1.0,
+                                    out=tuple(grads))
+    rows, base = [], {}
     log(f"thread scaling: B={B} T={T} H={H} Dk=Dv={D} float32 (B*H = {B * H} pairs), kernels "
-        f"{_core.isa()}, {os.cpu_count()} CPUs")
+        f"{_core.isa()}, {os.cpu_count()} CPUs; 'kernel' = the raw gufunc's OpenMP loop, 'api' = "
+        f"gated_delta_rule / _backward end to end")
     for n in thread_counts:
         fwd, bwd, _ = _gdn_calls(x, n)
-        tf, tb = _timeit(fwd, repeat), _timeit(bwd, max(1, repeat // 2))
-        base_f, base_b = base_f or tf * thread_counts[0], base_b or tb * thread_counts[0]
-        rows.append(dict(threads=n, forward_s=tf, backward_s=tb, forward_speedup=base_f / tf,
-                         backward_speedup=base_b / tb, forward_efficiency=base_f / tf / n,
-                         backward_efficiency=base_b / tb / n,
-                         forward_gflops=7 * D * D * H * B * T / tf / 1e9))
-        r = rows[-1]
-        log(f"  {n:>3} threads: forward {1e3 * tf:9.2f} ms ({r['forward_gflops']:6.1f} GFLOP/s, "
-            f"efficiency {100 * r['forward_efficiency']:5.1f} %), backward {1e3 * tb:9.2f} ms "
-            f"(efficiency {100 * r['backward_efficiency']:5.1f} %)")
+        prev = _core._set_call_threads(n)
+        try:
+            times = dict(kernel_forward=_timeit(kernel_fwd, repeat),
+                         kernel_backward=_timeit(kernel_bwd, max(1, repeat // 2)))
+        finally:
+            _core._set_call_threads(prev)
+        times.update(api_forward=_timeit(fwd, repeat), api_backward=_timeit(bwd, max(1, repeat // 2)))
+        row = dict(threads=n)
+        for key, t in times.items():
+            base.setdefault(key, t * thread_counts[0])
+            row[key + "_s"] = t
+            row[key + "_efficiency"] = base[key] / t / n
+        row["kernel_forward_gflops"] = 7 * D * D * H * B * T / times["kernel_forward"] / 1e9
+        rows.append(row)
+        log(f"  {n:>3} threads: kernel forward {1e3 * times['kernel_forward']:8.1f} ms "
+            f"({row['kernel_forward_gflops']:6.1f} GFLOP/s, {100 * row['kernel_forward_efficiency']:5.1f} %)"
+            f", backward {1e3 * times['kernel_backward']:8.1f} ms "
+            f"({100 * row['kernel_backward_efficiency']:5.1f} %); api forward "
+            f"{100 * row['api_forward_efficiency']:5.1f} %, backward "
+            f"{100 * row['api_backward_efficiency']:5.1f} %")
     return dict(shape=dict(B=B, T=T, H=H, Dk=D, Dv=D), isa=_core.isa(), cpus=os.cpu_count(),
                 rows=rows)
 
