@@ -384,7 +384,7 @@ def plot(res, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), gridspec_kw=dict(width_ratios=[1, 1, 1.4]))
     sw = res["sweep_T"]
     axes[0].loglog([s["T"] for s in sw], [s["forward_s"] for s in sw], "o-", label="forward")
     axes[0].loglog([s["T"] for s in sw], [s["backward_s"] for s in sw], "s-", label="backward")
@@ -397,7 +397,7 @@ def plot(res, path):
     axes[1].set(xlabel="threads", ylabel="forward speed-up", title="OpenMP scaling")
     axes[1].legend()
     rows = res["tables"]["float32"]["rows"]
-    names = [r["name"].replace(" (float32", " (").replace(" ()", "") for r in rows
+    names = [r["name"].replace("float32, ", "").replace(" (float32)", "") for r in rows
              if r["group"] != "ceiling"]
     rates = [r["tokens_per_s"] for r in rows if r["group"] != "ceiling"]
     axes[2].barh(range(len(rates)), rates)
