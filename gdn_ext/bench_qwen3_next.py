@@ -6,8 +6,8 @@ that both paths give the same loss, and prints the median time of forward + back
 their ratio. Times are wall-clock on this machine, median of ``--repeat`` runs after a warm-up.
 """
 import argparse
-import statistics
-import time
+
+from .bench import _timeit as _time
 
 __all__ = ["tiny_qwen3_next", "main"]
 
@@ -29,16 +29,6 @@ def tiny_qwen3_next(dtype=None, hidden_size=64, linear_layers=1, full_layers=1, 
         layer_types=["linear_attention"] * linear_layers + ["full_attention"] * full_layers,
         max_position_embeddings=65536)
     return Qwen3NextForCausalLM(cfg).to(dtype or torch.float32).train()
-
-
-def _time(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None):

@@ -29,20 +29,10 @@ def torch_gated_deltanet_forward(x, S, params, normalize_qk=False, scale=1.0):
     GatedDeltaNetParams. Returns (y, S_T)."""
     import torch
 
+    from .torch import reference_gated_delta_rule
+
     def rmsnorm(x, w, eps=1e-6):
         return w * x / torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)
-
-    def l2norm(x, eps=1e-6):
-        return x / torch.sqrt(torch.sum(x * x, dim=-1, keepdim=True) + eps)
-
-    def batch_matvec(S, x):
-        return torch.einsum("...vk,...k->...v", S, x)
-
-    def batch_outer(a, b):
-        return torch.einsum("...v,...k->...vk", a, b)
-
-    def gate_memory(S, gate):
-        return S * gate[..., None, None]
 
     B, T, D = x.shape
     H = params["Wg_state"].shape[1]
@@ -50,20 +40,12 @@ def torch_gated_deltanet_forward(x, S, params, normalize_qk=False, scale=1.0):
     q = (h @ params["Wq"]).reshape(B, T, H, -1)
     k = (h @ params["Wk"]).reshape(B, T, H, -1)
     v = (h @ params["Wv"]).reshape(B, T, H, -1)
-    if normalize_qk:
-        q, k = l2norm(q), l2norm(k)
     gate = torch.sigmoid(h @ params["Wg_state"])
     eta = torch.sigmoid(h @ params["Weta"])
-    outputs, S_cur = [], S
-    for t in range(T):
-        S_gated = gate_memory(S_cur, gate[:, t])
-        pred = batch_matvec(S_gated, k[:, t])
-        delta = v[:, t] - pred
-        S_new = S_gated + batch_outer(delta, k[:, t]) * eta[:, t][..., None, None]
-        outputs.append(scale * batch_matvec(S_new, q[:, t]))
-        S_cur = S_new
-    O = torch.stack(outputs, dim=1).reshape(B, T, -1)
-    return x + O @ params["Wo"], S_cur
+    # the design note's loop, in torch ops (gate_memory, batch_matvec, batch_outer per step)
+    O, S_T = reference_gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S,
+                                        scale=scale, normalize_qk=normalize_qk)
+    return x + O.reshape(B, T, -1) @ params["Wo"], S_T
 
 
 def _problem(seed, B=2, T=6, D=8, H=2, Dk=3, Dv=4):

@@ -4,7 +4,7 @@ import pytest
 
 import gdn_ext
 from gdn_ext import reference
-from helpers import assert_rel_close, make_inputs, split
+from helpers import assert_rel_close, central_differences, make_inputs, split
 
 SHAPES = [  # B, T, H, Dk, Dv -- T = 1, a perfect square, and lengths that leave a short last segment
     (1, 1, 1, 4, 4),
@@ -54,15 +54,8 @@ def test_central_finite_differences(gate, single_head):
     grads = gdn_ext.gated_delta_rule_backward(do, *args, **kw, dS_T=dS_T, scale=0.8)
     field = {"q": "dq", "k": "dk", "v": "dv", "beta": "dbeta", "alpha": "dalpha", "g": "dg",
              "initial_state": "d_initial_state"}
-    h = 1e-6
-    for name, x in inputs.items():
-        num = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            plus, minus = x.copy(), x.copy()
-            plus[idx] += h
-            minus[idx] -= h
-            num[idx] = (_loss(dict(inputs, **{name: plus}), do, dS_T, 0.8)
-                        - _loss(dict(inputs, **{name: minus}), do, dS_T, 0.8)) / (2 * h)
+    numeric = central_differences(lambda x: _loss(x, do, dS_T, 0.8), inputs)
+    for name, num in numeric.items():
         assert_rel_close(getattr(grads, field[name]), num, 1e-7, field[name])
 
 

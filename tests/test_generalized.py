@@ -5,7 +5,7 @@ import pytest
 
 import gdn_ext
 from gdn_ext import reference, ufuncs
-from helpers import assert_rel_close
+from helpers import assert_rel_close, central_differences
 
 FIELD = {"q": "dq", "k": "dk", "v": "dv", "beta": "dbeta", "alpha": "dalpha", "g": "dg",
          "initial_state": "d_initial_state"}
@@ -87,14 +87,7 @@ def test_central_finite_differences(case):
         o, S_T = run(x, **kw)
         return np.sum(o * do) + np.sum(S_T * dS)
 
-    h = 1e-6
-    for name, x in inputs.items():
-        num = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            plus, minus = x.copy(), x.copy()
-            plus[idx] += h
-            minus[idx] -= h
-            num[idx] = (loss(dict(inputs, **{name: plus})) - loss(dict(inputs, **{name: minus}))) / (2 * h)
+    for name, num in central_differences(loss, inputs).items():
         assert_rel_close(getattr(grads, FIELD[name]), num, 2e-7, f"{case}: {FIELD[name]}")
 
 

@@ -17,24 +17,10 @@ else:
 
 
 def torch_design_note_loop(q, k, v, beta, alpha, S, scale):
-    """The design note's forward loop (batch_matvec / batch_outer / gate_memory), with heads."""
-    def batch_matvec(S, x):
-        return torch.einsum("...vk,...k->...v", S, x)
-
-    def batch_outer(a, b):
-        return torch.einsum("...v,...k->...vk", a, b)
-
-    def gate_memory(S, gate):
-        return S * gate[..., None, None]
-
-    outputs = []
-    for t in range(q.shape[1]):
-        S_gated = gate_memory(S, alpha[:, t])
-        pred = batch_matvec(S_gated, k[:, t])
-        delta = v[:, t] - pred
-        S = S_gated + batch_outer(delta, k[:, t]) * beta[:, t][..., None, None]
-        outputs.append(scale * batch_matvec(S, q[:, t]))
-    return torch.stack(outputs, dim=1), S
+    """The design note's forward loop in torch ops, with heads (gdn_ext.torch's reference)."""
+    from gdn_ext.torch import reference_gated_delta_rule
+    return reference_gated_delta_rule(q, k, v, beta=beta, alpha=alpha, initial_state=S,
+                                      scale=scale)
 
 
 @pytest.mark.parametrize("B,T,H,Dk,Dv", [(2, 1, 1, 4, 4), (2, 63, 3, 8, 5), (1, 75, 2, 6, 6)])
