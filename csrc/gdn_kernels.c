@@ -43,16 +43,12 @@ size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     const ptrdiff_t C = gdn_checkpoint_interval(T);
     const ptrdiff_t nseg = T > 0 ? (T + C - 1) / C : 0;
-    const size_t DvF = ((size_t)Dv + GDN_FWD_COLS_MAX - 1) / GDN_FWD_COLS_MAX * GDN_FWD_COLS_MAX;
-    /* checkpoints + C segment states + G (rows padded); the transposed state of pass 1;
-     * (v - p) per step + do_t + v_t (padded rows), seven Dk vectors, v_t (padded columns) */
-    size_t states = mul_add((size_t)(nseg + C + 1), padded(Dv), 0);
-    size_t vectors = mul_add((size_t)C + 2, padded(Dv), 7 * (size_t)Dk + DvF);
-    size_t transposed = mul_add(DvF + GDN_FWD_PAD, (size_t)Dk, 0);
-    if (states == SIZE_MAX || vectors == SIZE_MAX || transposed == SIZE_MAX) return SIZE_MAX;
-    size_t total = mul_add(states, (size_t)Dk, vectors);
-    if (total == SIZE_MAX || total > SIZE_MAX - transposed) return SIZE_MAX;
-    return total + transposed;
+    /* checkpoints + (C + 1) segment states + G (rows padded), (v - p) per step + do_t + v_t,
+     * seven Dk vectors */
+    size_t states = mul_add((size_t)(nseg + C + 2), padded(Dv), 0);
+    size_t vectors = mul_add((size_t)C + 2, padded(Dv), 7 * (size_t)Dk);
+    if (states == SIZE_MAX || vectors == SIZE_MAX) return SIZE_MAX;
+    return mul_add(states, (size_t)Dk, vectors);
 }
 
 int gdn_check_cu_seqlens(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrdiff_t N,
