@@ -13,9 +13,13 @@ Rows (median of ``--repeat`` runs after one warm-up):
 
 GFLOP/s counts the forward's 7 * Dk * Dv floating-point operations per token and value head for
 every row (backward rows included), so it is a rate of useful work that compares across rows; the
-matmul row counts 2 n^3. Then: backward peak extra memory against PyTorch autograd's, sweeps over T
-(cost must grow linearly), Dk = Dv and threads, and one decode step against a full call's per-token
-time. ``--json FILE`` writes every number, ``--plot FILE.png`` draws them.
+matmul row counts 2 n^3. The last two columns are each row's time per token divided by gdn_ext's
+forward (resp. forward + backward) time per token: how many times slower than gdn_ext it is.
+Then: backward peak extra memory against PyTorch autograd's, sweeps over T (cost must grow
+linearly), Dk = Dv and threads, and one decode step against a full call's per-token time.
+``--json FILE`` writes every number, ``--plot FILE.png`` draws them. ``--scaling 1 2 4 8 16`` runs
+only a thread-scaling measurement (parallel efficiency = speed-up / threads; use ``--repeat`` 5 or
+more, single runs on a shared machine are noise).
 """
 import argparse
 import json
@@ -225,7 +229,7 @@ def thread_scaling(B=4, T=2048, H=16, D=128, thread_counts=(1, 2, 4, 8, 16), rep
     rows, base = [], {}
     log(f"thread scaling: B={B} T={T} H={H} Dk=Dv={D} float32 (B*H = {B * H} pairs), kernels "
         f"{_core.isa()}, {os.cpu_count()} CPUs; 'kernel' = the raw gufunc's OpenMP loop, 'api' = "
-        f"gated_delta_rule / _backward end to end")
+        f"gated_delta_rule / _backward end to end; % = parallel efficiency (speed-up / threads)")
     for n in thread_counts:
         fwd, bwd, _ = _gdn_calls(x, n)
         prev = _core._set_call_threads(n)
@@ -327,7 +331,8 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
         log(f"  D={Ds:>4}: forward {1e3 * tf:8.2f} ms ({gf:6.1f} GFLOP/s), backward "
             f"{1e3 * tb:8.2f} ms ({tb / tf:.2f}x)")
 
-    log("\nthread sweep (float32 forward, default shape)")
+    log(f"\nthread sweep (float32 forward, B={B} T={T} H={H} D={D}; parallel efficiency = "
+        f"speed-up / threads)")
     res["sweep_threads"] = []
     x = _inputs(B, T, H, D, np.float32)
     base = None
@@ -365,18 +370,18 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
 
 
 def _print_table(table, t_f, t_fb, ceiling, log):
-    log(f"\n{'':<62}{'time':>10}{'tokens/s':>12}{'GFLOP/s':>9}{'vs matmul':>10}"
-        f"{'gdn_ext fwd':>12}{'gdn_ext f+b':>12}")
+    log(f"\n{'':<74}{'time':>10}{'tokens/s':>12}{'GFLOP/s':>9}{'x matmul':>10}"
+        f"{'slower than gdn_ext: fwd':>27}{'f+b':>9}")
     for r in table.rows:
         if r["group"] == "ceiling":
-            log(f"{r['name']:<62}{1e3 * r['seconds']:>8.1f}ms{'':>12}{r['gflops']:>9.1f}"
+            log(f"{r['name']:<74}{1e3 * r['seconds']:>8.1f}ms{'':>12}{r['gflops']:>9.1f}"
                 f"{1.0:>10.2f}")
             continue
         per_tok = r["seconds"] / r["tokens"]
         vs_f = per_tok / (t_f["seconds"] / t_f["tokens"])
         vs_fb = per_tok / (t_fb["seconds"] / t_fb["tokens"])
-        log(f"{r['name']:<62}{1e3 * r['seconds']:>8.1f}ms{r['tokens_per_s']:>12,.0f}"
-            f"{r['gflops']:>9.1f}{r['gflops'] / ceiling:>10.2f}{vs_f:>12.2f}x{vs_fb:>12.2f}x")
+        log(f"{r['name']:<74}{1e3 * r['seconds']:>8.1f}ms{r['tokens_per_s']:>12,.0f}"
+            f"{r['gflops']:>9.1f}{r['gflops'] / ceiling:>10.2f}{vs_f:>26.2f}x{vs_fb:>8.2f}x")
 
 
 def plot(res, path):

@@ -76,7 +76,10 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
 
     Returns (o, S_T): o [B, T, HV, Dv], S_T shaped as the state (None when output_final_state is
     False). Gradients reach every tensor input (the backward is gdn_ext's C backward pass over
-    time). Double backward is not supported: differentiating the gradients raises RuntimeError.
+    time). Double backward is not supported (torch's ``once_differentiable``): ``.backward()``
+    through a gradient raises RuntimeError, and ``torch.autograd.grad`` of a gradient reports the
+    inputs as unused. The kernels run outside torch, so ``torch.func`` transforms (vmap, grad) do
+    not apply and ``torch.compile`` breaks the graph around the call.
 
     Raises: ValueError for a tensor not on the CPU and for the shape errors of
     :func:`gdn_ext.gated_delta_rule`; TypeError for another dtype or a non-tensor input.
@@ -176,7 +179,7 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
     if scale is None:
         scale = K ** -0.5
     if g is None and gk is None:
-        raise ValueError("give the log decay g [B, T, HV] (or gk [B, T, HV, K])")
+        raise ValueError("give the log decay g [B, T, HV] (or gk [B, T, HV, K] per key channel)")
     log_decay = gk if g is None else (g if gk is None else g[..., None] + gk)
     if beta is None:   # flash-linear-attention's fused recurrent kernel treats beta as 1
         beta = v.new_ones(v.shape[:3])
@@ -189,9 +192,9 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
     return o.to(out_dtype), (None if S_T is None else S_T.transpose(-1, -2))
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
                            output_final_state=False, use_qk_l2norm_in_kernel=False,
-                           cu_seqlens=None, **kwargs):
+                           cu_seqlens=None, *, gk=None, **kwargs):
     """Drop-in for flash-linear-attention's ``chunk_gated_delta_rule`` (and transformers'
     ``torch_chunk_gated_delta_rule``) on CPU tensors, with gradients.
 
@@ -199,16 +202,22 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     multiple of H, grouped: value head hv reads q/k head hv // (HV / H)); g [B, T, HV] log decay
     (<= 0); beta [B, T, HV]; scale (default K ** -0.5); initial_state [N, HV, K, V];
     output_final_state; use_qk_l2norm_in_kernel (x / sqrt(sum x^2 + 1e-6)); cu_seqlens
-    (LongTensor [N + 1], with B = 1). Other keywords (transformers' ``chunk_size``, attention
-    kwargs) are accepted and ignored: the result does not depend on a chunk size.
+    (LongTensor [N + 1], with B = 1). Beyond flash-linear-attention's chunk function: ``gk``
+    [B, T, HV, K], a per-key-channel log decay (alone or added to g). Other keywords
+    (transformers' ``chunk_size``, attention kwargs) are accepted and ignored, as upstream does --
+    so a misspelt keyword is ignored too: the result does not depend on a chunk size.
 
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None). Computed by gdn_ext's
-    C kernels in float64 for float64 inputs, else float32; gradients through autograd.
-    Raises ValueError / TypeError as :func:`gated_delta_rule` (CUDA tensors included).
+    C kernels in float64 for float64 inputs, else float32 (bfloat16 / float16 inputs: o is cast
+    back to their dtype, the final state stays float32, as transformers' fallbacks do); gradients
+    through autograd. Raises ValueError / TypeError as :func:`gated_delta_rule` (CUDA tensors
+    included).
     """
     if kwargs.get("head_first"):
         raise ValueError("head_first=True is not supported: pass [B, T, H, K] tensors")
-    return _fla_call(q, k, v, g, None, beta, scale, initial_state, output_final_state,
+    if beta is None:
+        raise ValueError("chunk_gated_delta_rule needs beta [B, T, HV]")
+    return _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel, cu_seqlens)
 
 

@@ -242,6 +242,10 @@ def test_fused_recurrent_per_key_decay_and_defaults():
                                                  scale=16 ** -0.5)
     torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ht, S_ref.transpose(-1, -2), rtol=1e-12, atol=1e-12)
+    o_c, _ = gt.chunk_gated_delta_rule(q, k, v, gk=gk, beta=beta, initial_state=h0)
+    torch.testing.assert_close(o_c, o, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="give the log decay g"):
+        gt.chunk_gated_delta_rule(q, k, v, beta=beta)
     o1, none = gt.fused_recurrent_gated_delta_rule(q, k, v, g=gl)   # beta defaults to 1
     o2, _ = gt.fused_recurrent_gated_delta_rule(q, k, v, g=gl, beta=torch.ones_like(beta))
     assert none is None
