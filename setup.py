@@ -1,8 +1,9 @@
 """Build gdn_ext._core: the C kernels (csrc/gdn_kernels.c) and their NumPy glue (csrc/_core.c).
 
 OpenMP flags are added only when a probe program compiles and links with them; otherwise the
-kernels run serially and gdn_ext.openmp_enabled() returns False. No -ffast-math / -Ofast (they can
-flush subnormals to zero for the whole process) and no -march=native (wheels must run anywhere).
+kernels run serially and gdn_ext.openmp_enabled() returns False. No fast-math flags (they can
+flush subnormals to zero for the whole process) and no tuning for the build machine's CPU (wheels
+must run anywhere: the AVX2 / AVX-512 kernels are picked at run time).
 """
 import os
 import sys
