@@ -23,7 +23,6 @@ more, single runs on a shared machine are noise).
 """
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -103,7 +102,6 @@ def _torch_rows(table, x, threads, repeat, torch_T):
     import gdn_ext.torch as gt
     torch.set_num_threads(threads)
     dt = x["q"].dtype
-    tdt = torch.float64 if dt == np.float64 else torch.float32
     T = min(torch_T, x["q"].shape[1])
     B = x["q"].shape[0]
     t = {n: torch.from_numpy(np.ascontiguousarray(a[:, :T])) for n, a in x.items()}
@@ -129,10 +127,9 @@ def _torch_rows(table, x, threads, repeat, torch_T):
         hf_logging.set_verbosity_error()
     except ImportError:
         return
-    D = x["q"].shape[-1]
     for label, fn in (("chunk", q3.torch_chunk_gated_delta_rule),
                       ("recurrent", q3.torch_recurrent_gated_delta_rule)):
-        # transformers scales q by D^-0.5 itself: same work as gdn_ext with scale = D^-0.5
+        # (transformers scales q by Dk^-0.5 itself: the same work as gdn_ext's scale)
         def f_fwd(fn=fn):
             with torch.no_grad():
                 fn(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"])
@@ -146,7 +143,6 @@ def _torch_rows(table, x, threads, repeat, torch_T):
                   f"({name}, T={T})", _timeit(f_fwd, reps), B * T)
         table.add("transformers", f"transformers torch_{label}_gated_delta_rule, fwd+bwd "
                   f"({name}, T={T})", _timeit(f_both, reps), B * T)
-    del D, tdt
 
 
 def _matmul_gflops(dtype, threads, repeat, n=1024):

@@ -267,7 +267,7 @@ def gated_deltanet_backward(dy, x, S, params, dS_T=None, *, normalize_qk=False, 
     dy = as_real_array(dy, "dy")
     expect_shape(dy, "dy", x.shape, "[B, T, D]")
     B, T, D = x.shape
-    H, Dk, Dv = params.n_heads, params.d_key, params.d_value
+    H, Dv = params.n_heads, params.d_value
     h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk)
 
     # y = x + O Wo

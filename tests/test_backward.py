@@ -15,9 +15,10 @@ SHAPES = [  # B, T, H, Dk, Dv -- T = 1, a perfect square, and lengths that leave
 ]
 
 
-def random_cotangents(rng, inputs, single_head=False):
-    q, v, S0 = inputs["q"], inputs["v"], inputs["initial_state"]
-    return rng.standard_normal(v.shape), rng.standard_normal(S0.shape)
+def random_cotangents(rng, inputs):
+    """Random dL/do and dL/dS_T for these inputs."""
+    return (rng.standard_normal(inputs["v"].shape),
+            rng.standard_normal(inputs["initial_state"].shape))
 
 
 @pytest.mark.parametrize("B,T,H,Dk,Dv", SHAPES)
