@@ -231,11 +231,7 @@ class _Problem:
 
     def ufunc_args(self):
         """Inputs of the forward ufunc after (q, k, v, alpha, beta, S_0, scale)."""
-        return (dtype_scalar(self.normalize_qk, self.dtype), self.cu) if self.general else ()
-
-
-def dtype_scalar(x, dt):
-    return np.asarray(x, dt)
+        return (np.asarray(self.normalize_qk, self.dtype), self.cu) if self.general else ()
 
 
 def _call(ufunc, args, out, num_threads):
