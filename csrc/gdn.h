@@ -84,14 +84,15 @@ typedef struct {
     int dalpha_summed;   /* scalar gate: the backward writes dalpha[t] = sum_j dalpha[t, j] */
 } gdn_sizes;
 
-/* State rows updated together by the backward kernel (its state rows are padded to a multiple);
- * GDN_FWD_COLS_MAX, the most value columns in one strip of the forward kernel's transposed state
- * (4 vector registers: 64 floats with AVX-512). */
+/* State rows updated together by the backward kernel (its state rows are padded to a multiple). */
 #define GDN_ROWS 4
+/* The most value columns in one strip of the forward kernel's transposed state (4 vector
+ * registers; 32 floats in the AVX2 and AVX-512 builds, 64 would be zmm-wide), which sizes the
+ * workspace; and the elements added to that state's row stride (see forward_one). */
 #define GDN_FWD_COLS_MAX 64
 #define GDN_FWD_PAD 16
 /* Sequences of at most this many steps run the forward on the untransposed state (decoding). */
-#define GDN_ROWWISE_MAX_T 4   /* elements added to the transposed state's row stride (see forward_one) */
+#define GDN_ROWWISE_MAX_T 4
 
 /* Checkpoint interval C of the backward pass: ceil(sqrt(T)), which minimises the
  * (ceil(T/C) + C + 2) states held per (sequence, head): checkpoints, a segment, and G. */
