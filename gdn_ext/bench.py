@@ -411,6 +411,7 @@ def plot(res, path):
 
 
 def main(argv=None):
+    """Command line of ``python -m gdn_ext.bench`` (see the module docstring); returns 0."""
     ap = argparse.ArgumentParser(prog="python -m gdn_ext.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=2)

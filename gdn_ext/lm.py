@@ -36,9 +36,11 @@ class CharVocab:
         return len(self.chars)
 
     def encode(self, text):
+        """str -> int64 ids [len(text)]; KeyError for a character outside the vocabulary."""
         return np.array([self.index[c] for c in text], dtype=np.int64)
 
     def decode(self, ids):
+        """Sequence of int ids -> str."""
         return "".join(self.chars[int(i)] for i in ids)
 
 
@@ -73,6 +75,8 @@ class CharLM:
     @classmethod
     def init(cls, vocab_size, d_model=128, n_layers=3, n_heads=4, d_head=32, seed=0,
              dtype=np.float32):
+        """Random weights: embeddings N(0, 1), layers as GatedDeltaNetParams.init (Wo scaled by
+        1/sqrt(2 n_layers)), head N(0, 1/d_model). d_head is Dk = Dv of every head."""
         rng = np.random.default_rng(seed)
         layers = [GatedDeltaNetParams.init(d_model, d_head, d_head, n_heads, seed=seed + 1 + i,
                                            dtype=dtype) for i in range(n_layers)]
@@ -91,6 +95,7 @@ class CharLM:
         return out + [self.norm_weight, self.head]
 
     def n_params(self):
+        """Number of trainable numbers."""
         return sum(a.size for a in self.arrays())
 
     def loss_and_grads(self, tokens, targets, num_threads=None):
@@ -166,6 +171,8 @@ class Adam:
         self.t = 0
 
     def step(self, grads, lr=None):
+        """One update of every array in place; grads aligned with the arrays; lr overrides the
+        learning rate for this step."""
         lr = self.lr if lr is None else lr
         b1, b2 = self.betas
         self.t += 1
