@@ -70,6 +70,9 @@ static int check_cu(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrdiff_t
     return r < 0 ? -1 : 0;
 }
 
+/* The forward's items hold some of a state's value rows, all of them at most. */
+#define STRIP_ROWS(Dv) (Dv)
+
 #define STRIDES_OR_RETURN(dst, src, count, itemsize)                                            \
     if (elem_strides(dst, src, count, itemsize) < 0) {                                          \
         raise_from_loop(PyExc_ValueError, "gdn_ext: operand strides must be multiples of the item size"); \
@@ -97,8 +100,8 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
         e[7], e[19], e[20],  e[8], 0, e[21], e[22]};                                            \
     const int64_t cu[2] = {0, (int64_t)sz.T};                                                   \
     const REAL no = 0;                                                                          \
-    const int nt = gdn_threads_for(sz.N, call_threads);                                         \
-    REAL *ws = alloc_workspace(nt, gdn_fwd_workspace_len(sz.T, sz.Dk, sz.Dv), sizeof(REAL));    \
+    const int nt = gdn_threads_for(gdn_fwd_items(sz.N, sz.Dv), call_threads);                   \
+    REAL *ws = alloc_workspace(nt, gdn_fwd_workspace_len(sz.T, sz.Dk, STRIP_ROWS(sz.Dv)), sizeof(REAL)); \
     if (ws == NULL) return;                                                                     \
     gdn_forward_##SUF((REAL *)args[7], (REAL *)args[8],                                         \
                       (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],      \
@@ -172,8 +175,8 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         e[9], e[24], e[25],  e[10], e[26], e[27], e[28]};                                       \
     ptrdiff_t max_len = 0;                                                                      \
     if (check_cu((const int64_t *)args[8], c[0], c[1], sz.N, sz.NS, sz.T, &max_len) < 0) return; \
-    const int nt = gdn_threads_for(sz.N * sz.NS, call_threads);                                 \
-    REAL *ws = alloc_workspace(nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv), sizeof(REAL)); \
+    const int nt = gdn_threads_for(gdn_fwd_items(sz.N * sz.NS, sz.Dv), call_threads);           \
+    REAL *ws = alloc_workspace(nt, gdn_fwd_workspace_len(max_len, sz.Dk, STRIP_ROWS(sz.Dv)), sizeof(REAL)); \
     if (ws == NULL) return;                                                                     \
     gdn_forward_##SUF((REAL *)args[9], (REAL *)args[10],                                        \
                       (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],      \

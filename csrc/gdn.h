@@ -90,6 +90,7 @@ typedef struct {
  * registers; 32 floats in the AVX2 and AVX-512 builds, 64 would be zmm-wide), which sizes the
  * workspace; and the elements added to that state's row stride (see forward_one). */
 #define GDN_FWD_COLS_MAX 64
+#define GDN_FWD_COLS_MIN 8    /* the fewest (portable build, doubles): bounds the forward's items */
 #define GDN_FWD_PAD 16
 /* Sequences of at most this many steps run the forward on the untransposed state (decoding). */
 #define GDN_ROWWISE_MAX_T 4
@@ -118,11 +119,13 @@ int gdn_threads_for(ptrdiff_t n, int num_threads);
 int gdn_openmp_enabled(void);
 
 /*
- * Forward over N * NS independent (sequence, head) pairs, in parallel over the pairs.
+ * Forward over N * NS independent (sequence, head) pairs, in parallel over the pairs and the strips
+ * of value rows of each state (rows never mix in the forward).
  * cu_seqlens must have passed gdn_check_cu_seqlens (max_len = its longest sequence).
- * ws: nthreads * gdn_fwd_workspace_len(max_len, Dk, Dv) elements,
- * nthreads = gdn_threads_for(N * NS, num_threads).
+ * ws: nthreads * gdn_fwd_workspace_len(max_len, Dk, Dv) elements with
+ * nthreads = gdn_threads_for(gdn_fwd_items(N * NS, Dv), num_threads) (at least as many as it uses).
  */
+ptrdiff_t gdn_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv);
 #define GDN_FWD_ARGS(REAL)                                                                       \
     REAL *o, REAL *S_T,                                                                          \
     const REAL *q, const REAL *k, const REAL *v, const REAL *alpha, const REAL *beta,           \

@@ -51,6 +51,12 @@ size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
     return mul_add(states, (size_t)Dk, vectors);
 }
 
+ptrdiff_t gdn_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv)
+{
+    /* an upper bound: strips of at least GDN_FWD_COLS_MIN value rows */
+    return npairs * (Dv > 0 ? (Dv + GDN_FWD_COLS_MIN - 1) / GDN_FWD_COLS_MIN : 1);
+}
+
 int gdn_check_cu_seqlens(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrdiff_t N,
                          ptrdiff_t NS, ptrdiff_t T, ptrdiff_t *max_len)
 {

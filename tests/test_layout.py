@@ -266,3 +266,21 @@ print(_core.isa())
     assert used in ("generic", "avx2", "avx512")
     if used != isa:   # the CPU lacks it: the request falls back to what it has
         assert ["generic", "avx2", "avx512"].index(used) < ["generic", "avx2", "avx512"].index(isa)
+
+
+@pytest.mark.skipif(not gdn_ext.openmp_enabled(), reason="built without OpenMP")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_sequence_split_across_threads(dtype):
+    """With fewer (sequence, head) pairs than threads, the forward splits each state's value rows
+    between threads: the same numbers as one thread, and as the reference."""
+    inputs = make_inputs(np.random.default_rng(52), 1, 300, 1, 24, 100, dtype=dtype)
+    args, kw = split(inputs)
+    o1, S1 = gdn_ext.gated_delta_rule(*args, **kw, num_threads=1)
+    o2, S2 = gdn_ext.gated_delta_rule(*args, **kw, num_threads=2)
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(S1, S2)
+    o_r, S_r = gdn_ext.reference.gated_delta_rule(*(a.astype(np.float64) for a in args),
+                                                  **{n: a.astype(np.float64) for n, a in kw.items()})
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    assert_rel_close(o1, o_r, tol, "o")
+    assert_rel_close(S1, S_r, tol, "S_T")
