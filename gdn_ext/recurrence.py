@@ -291,7 +291,8 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     num_threads : int or None
         OpenMP threads for the loop over (sequence, head) pairs. None uses OpenMP's default, which
         ``OMP_NUM_THREADS`` and threadpoolctl control. Results do not depend on it (bitwise).
-        At most one thread per pair is used, and at most 4 per processor.
+        Threads share out the pairs; with fewer pairs than threads the forward also splits each
+        state's value rows between threads. At most 4 threads per processor.
     normalize_qk : bool, default False
         L2-normalise q and k inside the kernel, ``x / sqrt(sum(x**2) + 1e-6)`` (epsilon inside the
         root, as flash-linear-attention's ``use_qk_l2norm_in_kernel``); gradients flow to the raw

@@ -76,10 +76,11 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
 
     Returns (o, S_T): o [B, T, HV, Dv], S_T shaped as the state (None when output_final_state is
     False). Gradients reach every tensor input (the backward is gdn_ext's C backward pass over
-    time). Double backward is not supported (torch's ``once_differentiable``): ``.backward()``
-    through a gradient raises RuntimeError, and ``torch.autograd.grad`` of a gradient reports the
-    inputs as unused. The kernels run outside torch, so ``torch.func`` transforms (vmap, grad) do
-    not apply and ``torch.compile`` breaks the graph around the call.
+    time). Double backward is not supported (torch's ``once_differentiable``): differentiating a
+    gradient raises RuntimeError, or, through ``torch.autograd.grad(..., allow_unused=True)``,
+    gives None where the second derivative is not zero -- do not rely on it. The kernels run
+    outside torch, so ``torch.func`` transforms (vmap, grad) do not apply and ``torch.compile``
+    breaks the graph around the call.
 
     Raises: ValueError for a tensor not on the CPU and for the shape errors of
     :func:`gdn_ext.gated_delta_rule`; TypeError for another dtype or a non-tensor input.

@@ -48,7 +48,8 @@ def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=
         return float(np.mean([model.loss(x, y, num_threads) for x, y in val_batches]))
 
     log(f"text: {len(ids):,} characters, vocabulary {len(vocab)}; model: {n_layers} Gated DeltaNet "
-        f"layers, d_model {d_model}, {n_heads} heads of {d_head}, {model.n_params():,} parameters")
+        f"layer{'s' if n_layers != 1 else ''}, d_model {d_model}, {n_heads} head"
+        f"{'s' if n_heads != 1 else ''} of {d_head}, {model.n_params():,} parameters")
     log(f"unigram baseline on the validation text: {baseline:.3f} nats/char")
 
     warmup = max(1, steps // 20)
@@ -143,7 +144,8 @@ def main(argv=None):
     ap.add_argument("--heads", type=_positive, default=4, help="heads per layer (default 4)")
     ap.add_argument("--head-dim", type=_positive, default=32, help="Dk = Dv per head (default 32)")
     ap.add_argument("--batch", type=_positive, default=16, help="sequences per step (default 16)")
-    ap.add_argument("--seq-len", type=_positive, default=128, help="characters per sequence (128)")
+    ap.add_argument("--seq-len", type=_positive, default=128,
+                    help="characters per sequence (default 128)")
     ap.add_argument("--lr", type=_positive_float, default=3e-3,
                     help="peak Adam learning rate (default 3e-3)")
     ap.add_argument("--seed", type=int, default=0,
@@ -181,8 +183,9 @@ def main(argv=None):
         print(f"training diverged (validation loss {val}); try a smaller --lr", file=sys.stderr)
         return 1
     print(f"trained {a.steps} steps in {res['seconds']:.0f} s ({res['tokens_per_s']:,.0f} tokens/s)")
+    rel = 100 * (1 - val / base)
     print(f"validation loss {val:.3f} nats/char ({val / math.log(2):.2f} bits/char) vs unigram "
-          f"baseline {base:.3f}: {100 * (1 - val / base):.0f}% below")
+          f"baseline {base:.3f}: {abs(rel):.0f}% {'below' if rel >= 0 else 'above'}")
     print("sample:\n" + res["sample"])
     if a.plot:
         plot(res["history"], base, a.plot)

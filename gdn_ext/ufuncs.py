@@ -21,7 +21,7 @@
     (``x / sqrt(sum x^2 + 1e-6)``); ``cu_seqlens`` int64 ``[..., n + 1]`` packs n sequences along
     t, sequence i being tokens ``cu_seqlens[i] .. cu_seqlens[i+1] - 1`` with its own initial and
     final state ``S_0[..., i, :, :]``, ``S_T[..., i, :, :]`` (``[0, T]`` and n = 1 for one
-    sequence). A cu_seqlens that does not start at 0, end at T or never decrease raises
+    sequence). A cu_seqlens that does not start at 0, does not end at T or decreases raises
     ValueError.
 
 ``gated_delta_rule_general_bwd``

@@ -301,3 +301,20 @@ def test_single_head_packed_and_degenerate_heads():
     with pytest.raises(ValueError, match="q_t must have shape"):
         gdn_ext.gated_delta_rule_step(q[0, 0], q[0, 0], v[0, 0], beta=b[0, :1], alpha=a[0, :1],
                                       state=None)
+
+
+def test_raw_general_ufunc_with_no_sequences():
+    """cu_seqlens = [0]: no sequence at all (the checked API refuses it; the raw ufunc returns
+    empty results, forward and backward, instead of crashing)."""
+    z = np.zeros
+    o, S_T = ufuncs.gated_delta_rule_general_fwd(z((0, 4)), z((0, 4)), z((0, 4)), z((0, 4)), z(0),
+                                                 z((0, 4, 4)), 1.0, 0.0, np.array([0]))
+    assert o.shape == (0, 4) and S_T.shape == (0, 4, 4)
+    o, S_T = ufuncs.gated_delta_rule_general_fwd(z((2, 0, 4)), z((2, 0, 4)), z((2, 0, 4)),
+                                                 z((2, 0, 4)), z((2, 0)), z((2, 0, 4, 4)), 1.0, 0.0,
+                                                 np.array([0]))
+    assert o.shape == (2, 0, 4) and S_T.shape == (2, 0, 4, 4)
+    grads = ufuncs.gated_delta_rule_general_bwd(z((0, 4)), z((0, 4)), z((0, 4)), z((0, 4)),
+                                                z((0, 4)), z(0), z((0, 4, 4)), z((0, 4, 4)), 1.0,
+                                                0.0, np.array([0]))
+    assert grads[-1].shape == (0, 4, 4)
