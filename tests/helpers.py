@@ -34,6 +34,14 @@ def split(inputs):
     return (kw.pop("q"), kw.pop("k"), kw.pop("v")), kw
 
 
+def split_in_time(inputs, cut):
+    """The inputs of steps [0, cut) (with the initial state) and of [cut, T) (without it: the
+    caller carries the state over)."""
+    first = {n: (a if n == "initial_state" else a[:, :cut]) for n, a in inputs.items()}
+    second = {n: a[:, cut:] for n, a in inputs.items() if n != "initial_state"}
+    return first, second
+
+
 def assert_rel_close(actual, desired, rtol, name=""):
     """max |actual - desired| <= rtol * max |desired| (relative to the array's scale)."""
     actual, desired = np.asarray(actual), np.asarray(desired)

@@ -4,7 +4,8 @@ import pytest
 
 import gdn_ext
 from gdn_ext import reference
-from helpers import assert_rel_close, central_differences, make_inputs, split
+from helpers import (assert_rel_close, central_differences, make_inputs, split,
+                     split_in_time)
 
 SHAPES = [  # B, T, H, Dk, Dv -- T = 1, a perfect square, and lengths that leave a short last segment
     (1, 1, 1, 4, 4),
@@ -88,10 +89,9 @@ def test_split_sequence_chains_gradients():
     args, kw = split(inputs)
     full = gdn_ext.gated_delta_rule_backward(do, *args, **kw, dS_T=dS_T)
     cut = 40
-    first = {n: (a[:, :cut] if n != "initial_state" else a) for n, a in inputs.items()}
+    first, second = split_in_time(inputs, cut)
     a1, k1 = split(first)
     _, S_mid = gdn_ext.gated_delta_rule(*a1, **k1)
-    second = {n: a[:, cut:] for n, a in inputs.items() if n != "initial_state"}
     a2, k2 = split(second)
     g2 = gdn_ext.gated_delta_rule_backward(do[:, cut:], *a2, **k2, initial_state=S_mid,
                                            dS_T=dS_T)

@@ -4,7 +4,7 @@ import pytest
 
 import gdn_ext
 from gdn_ext import reference
-from helpers import assert_rel_close, make_inputs, split
+from helpers import assert_rel_close, make_inputs, split, split_in_time
 
 SHAPES = [  # B, T, H, Dk, Dv
     (1, 1, 1, 4, 4),
@@ -110,10 +110,9 @@ def test_split_sequence_carries_state():
     args, kw = split(inputs)
     o, S_T = gdn_ext.gated_delta_rule(*args, **kw)
     cut = 31
-    first = {n: (a[:, :cut] if n != "initial_state" else a) for n, a in inputs.items()}
+    first, second = split_in_time(inputs, cut)
     a1, k1 = split(first)
     o1, S_mid = gdn_ext.gated_delta_rule(*a1, **k1)
-    second = {n: a[:, cut:] for n, a in inputs.items() if n != "initial_state"}
     a2, k2 = split(second)
     o2, S_end = gdn_ext.gated_delta_rule(*a2, **k2, initial_state=S_mid)
     assert_rel_close(np.concatenate([o1, o2], axis=1), o, 1e-13, "o")
