@@ -86,12 +86,23 @@ typedef struct {
 
 /* State rows updated together by the backward kernel (its state rows are padded to a multiple). */
 #define GDN_ROWS 4
-/* The most value columns in one strip of the forward kernel's transposed state (4 vector
- * registers; 32 floats in the AVX2 and AVX-512 builds, 64 would be zmm-wide), which sizes the
- * workspace; and the elements added to that state's row stride (see forward_one). */
+/* The forward's strips of the transposed state: NV vector registers of value columns, NV at most
+ * GDN_FWD_NV_MAX (set per instruction set) and fewer when a strip of Dk rows would outgrow
+ * GDN_FWD_STRIP_BYTES (about L1). GDN_FWD_COLS_MAX: the widest strip of any build, in elements
+ * (4 AVX-512 registers of floats), which sizes the workspace. */
+#ifndef GDN_FWD_STRIP_BYTES
+#define GDN_FWD_STRIP_BYTES 32768
+#endif
 #define GDN_FWD_COLS_MAX 64
 #define GDN_FWD_COLS_MIN 8    /* the fewest (portable build, doubles): bounds the forward's items */
-#define GDN_FWD_PAD 16
+/* Tokens per time block of the forward: their per-token inputs are prepared once per work item and
+ * read by every strip. */
+#ifndef GDN_FWD_BLOCK
+#define GDN_FWD_BLOCK 64
+#endif
+/* Per-thread scratch starts on a cache line; the workspace lengths include the slack for it. */
+#define GDN_CACHE_LINE 64
+#define GDN_SCRATCH_SLACK 16   /* elements: >= GDN_CACHE_LINE bytes of floats, and a whole line */
 /* Sequences of at most this many steps run the forward on the untransposed state (decoding). */
 #define GDN_ROWWISE_MAX_T 4
 

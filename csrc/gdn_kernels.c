@@ -29,14 +29,24 @@ static size_t mul_add(size_t a, size_t b, size_t c)
 
 static size_t padded(ptrdiff_t Dv) { return ((size_t)Dv + GDN_ROWS - 1) / GDN_ROWS * GDN_ROWS; }
 
+/* n rounded up to whole cache lines of elements, plus the alignment slack; SIZE_MAX stays */
+static size_t with_slack(size_t n)
+{
+    if (n > SIZE_MAX - 2 * GDN_SCRATCH_SLACK) return SIZE_MAX;
+    return (n + GDN_SCRATCH_SLACK - 1) / GDN_SCRATCH_SLACK * GDN_SCRATCH_SLACK + GDN_SCRATCH_SLACK;
+}
+
 size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     (void)T;
-    /* S^T (value columns padded to a whole strip) + q_t, k_t, alpha_t, alpha_t k_t, alpha_t q_t
-     * + v_t */
-    const size_t DvF = ((size_t)Dv + GDN_FWD_COLS_MAX - 1) / GDN_FWD_COLS_MAX * GDN_FWD_COLS_MAX;
-    /* (+ r, w [DvF] for short sequences, which use S^T's room for the untransposed state) */
-    return mul_add(DvF + GDN_FWD_PAD + 5, (size_t)Dk, 3 * DvF);
+    /* S^T (value columns padded to the widest strip, DvX) + a time block of k, alpha, alpha k,
+     * alpha q [TB, Dk], k.q, beta [TB], v and o [TB, DvX] + q_t [Dk] + v_t, r, w [DvX] (short
+     * sequences, which use S^T's room for the untransposed state) */
+    const size_t DvX = ((size_t)Dv + GDN_FWD_COLS_MAX - 1) / GDN_FWD_COLS_MAX * GDN_FWD_COLS_MAX;
+    const size_t TB = GDN_FWD_BLOCK;
+    size_t n = mul_add(DvX + 4 * TB + 1, (size_t)Dk, 2 * TB);
+    n = mul_add(2 * TB + 3, DvX, n);
+    return with_slack(n);
 }
 
 size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
@@ -48,7 +58,7 @@ size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
     size_t states = mul_add((size_t)(nseg + C + 2), padded(Dv), 0);
     size_t vectors = mul_add((size_t)C + 2, padded(Dv), 7 * (size_t)Dk);
     if (states == SIZE_MAX || vectors == SIZE_MAX) return SIZE_MAX;
-    return mul_add(states, (size_t)Dk, vectors);
+    return with_slack(mul_add(states, (size_t)Dk, vectors));
 }
 
 ptrdiff_t gdn_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv)
@@ -124,11 +134,11 @@ void gdn_init(void)
 #if GDN_X86_DISPATCH
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1;
-    if (best == 1 && __builtin_cpu_supports("avx512f")) best = 2;
+    /* every feature the AVX-512 translation unit is compiled for */
+    if (best == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
+        best = 2;
 #endif
-    /* AVX2 by default even where AVX-512 exists: GCC's 512-bit code for these row loops measured
-     * slower on the machines tried (python -m gdn_ext.bench --isa compares them). */
-    int level = best < 1 ? best : 1;
+    int level = best;
     /* GDN_EXT_ISA=generic|avx2|avx512 asks for a level the CPU has (tests, comparisons) */
     const char *want = getenv("GDN_EXT_ISA");
     if (want != NULL)
@@ -160,5 +170,6 @@ void gdn_backward_f32(GDN_BWD_ARGS(float)) { GDN_DISPATCH(gdn_backward_f32, BWD_
 
 /* ---- the portable instance ---------------------------------------------------------------- */
 #define GDN_VEC_BYTES 16   /* one vector register */
+#define GDN_FWD_NV_MAX 4
 #define GDN_ISA generic
 #include "gdn_instances.inc"

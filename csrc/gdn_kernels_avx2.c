@@ -13,6 +13,7 @@
 #endif
 #pragma GCC target("avx2,fma")
 #define GDN_VEC_BYTES 32   /* one vector register */
+#define GDN_FWD_NV_MAX 2   /* strip registers: see gdn.h (AVX2 has 16 of them) */
 #define GDN_ISA avx2
 #include "gdn_instances.inc"
 #else

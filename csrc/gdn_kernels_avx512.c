@@ -12,7 +12,8 @@
 #include <omp.h>
 #endif
 #pragma GCC target("avx512f,avx512vl,avx2,fma")
-#define GDN_VEC_BYTES 32   /* ymm: AVX-512VL gives 32 of them, so nothing spills; zmm strips outgrow L1 */
+#define GDN_VEC_BYTES 64   /* one zmm register */
+#define GDN_FWD_NV_MAX 4   /* strip registers: see gdn.h (AVX-512 has 32 of them) */
 #define GDN_ISA avx512
 #include "gdn_instances.inc"
 #else
