@@ -134,7 +134,7 @@ static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
         e[12], e[35], 0,  e[13], e[36],  e[14], 0, e[37], e[38]};                               \
     const int64_t cu[2] = {0, (int64_t)sz.T};                                                   \
     const REAL no = 0;                                                                          \
-    const int nt = gdn_threads_for(sz.N, call_threads);                                         \
+    const int nt = gdn_threads_for(gdn_bwd_items(sz.N, sz.Dv), call_threads);                   \
     REAL *ws = alloc_workspace(nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv), sizeof(REAL));    \
     if (ws == NULL) return;                                                                     \
     gdn_backward_##SUF((REAL *)args[9], (REAL *)args[10], (REAL *)args[11], (REAL *)args[12],   \
@@ -220,7 +220,7 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         e[14], e[41], e[42],  e[15], e[43],  e[16], e[44], e[45], e[46]};                       \
     ptrdiff_t max_len = 0;                                                                      \
     if (check_cu((const int64_t *)args[10], c[0], c[1], sz.N, sz.NS, sz.T, &max_len) < 0) return; \
-    const int nt = gdn_threads_for(sz.N * sz.NS, call_threads);                                 \
+    const int nt = gdn_threads_for(gdn_bwd_items(sz.N * sz.NS, sz.Dv), call_threads);           \
     REAL *ws = alloc_workspace(nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv), sizeof(REAL)); \
     if (ws == NULL) return;                                                                     \
     gdn_backward_##SUF((REAL *)args[11], (REAL *)args[12], (REAL *)args[13], (REAL *)args[14],  \

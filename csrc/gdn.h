@@ -86,6 +86,9 @@ typedef struct {
 
 /* State rows updated together by the backward kernel (its state rows are padded to a multiple). */
 #define GDN_ROWS 4
+/* Value rows of one strip of the backward (a multiple of GDN_ROWS): a strip of G and of one
+ * segment's states stays in L1 / L2 while it walks back through the segment. */
+#define GDN_BWD_ROWS 16
 /* The forward's strips of the transposed state: NV vector registers of value columns, NV at most
  * GDN_FWD_NV_MAX (set per instruction set) and fewer when a strip of Dk rows would outgrow
  * GDN_FWD_STRIP_BYTES (about L1). GDN_FWD_COLS_MAX: the widest strip of any build, in elements
@@ -100,6 +103,7 @@ typedef struct {
 #ifndef GDN_FWD_BLOCK
 #define GDN_FWD_BLOCK 64
 #endif
+ptrdiff_t gdn_fwd_block(ptrdiff_t T);   /* min(T, GDN_FWD_BLOCK), at least 1 */
 /* Per-thread scratch starts on a cache line; the workspace lengths include the slack for it. */
 #define GDN_CACHE_LINE 64
 #define GDN_SCRATCH_SLACK 16   /* elements: >= GDN_CACHE_LINE bytes of floats, and a whole line */
@@ -114,6 +118,13 @@ ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T);
  * if that would overflow size_t. */
 size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv);
 size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv);
+/* Its two parts: what one (sequence, head) pair holds while its backward runs (checkpoints, G,
+ * partial sums, a segment's inputs), and what each thread working on it holds (a strip's states
+ * of one segment, the checkpoint pass's forward workspace). Whole cache lines, in elements. */
+size_t gdn_bwd_pair_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv);
+size_t gdn_bwd_thread_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv);
+/* Work items of the backward (pairs times strips of value rows): bounds its useful threads. */
+ptrdiff_t gdn_bwd_items(ptrdiff_t npairs, ptrdiff_t Dv);
 
 /* Check every loop element's cu_seqlens (int64 [N, NS + 1]): starts at 0, never decreases, ends at
  * T. Returns 0 and the longest sequence in *max_len, or -1 (bad start), -2 (decreasing) or

@@ -36,29 +36,64 @@ static size_t with_slack(size_t n)
     return (n + GDN_SCRATCH_SLACK - 1) / GDN_SCRATCH_SLACK * GDN_SCRATCH_SLACK + GDN_SCRATCH_SLACK;
 }
 
+ptrdiff_t gdn_fwd_block(ptrdiff_t T) { return T < 1 ? 1 : T < GDN_FWD_BLOCK ? T : GDN_FWD_BLOCK; }
+
 size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
-    (void)T;
     /* S^T (value columns padded to the widest strip, DvX) + a time block of k, alpha, alpha k,
      * alpha q [TB, Dk], k.q, beta [TB], v and o [TB, DvX] + q_t [Dk] + v_t, r, w [DvX] (short
      * sequences, which use S^T's room for the untransposed state) */
     const size_t DvX = ((size_t)Dv + GDN_FWD_COLS_MAX - 1) / GDN_FWD_COLS_MAX * GDN_FWD_COLS_MAX;
-    const size_t TB = GDN_FWD_BLOCK;
+    const size_t TB = (size_t)gdn_fwd_block(T);
     size_t n = mul_add(DvX + 4 * TB + 1, (size_t)Dk, 2 * TB);
     n = mul_add(2 * TB + 3, DvX, n);
     return with_slack(n);
 }
 
+/* n rounded up to whole cache lines of elements */
+static size_t lines(size_t n)
+{
+    if (n > SIZE_MAX - GDN_SCRATCH_SLACK) return SIZE_MAX;
+    return (n + GDN_SCRATCH_SLACK - 1) / GDN_SCRATCH_SLACK * GDN_SCRATCH_SLACK;
+}
+
+size_t gdn_bwd_pair_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
+{
+    const size_t C = (size_t)gdn_checkpoint_interval(T);
+    const size_t nseg = T > 0 ? ((size_t)T + C - 1) / C : 0;
+    const size_t DvP = padded(Dv), nstr = (DvP + GDN_BWD_ROWS - 1) / GDN_BWD_ROWS;
+    const size_t NP = 3 * (size_t)Dk + 2;
+    /* checkpoints and G [DvP, Dk]; the strips' summed and separate partial sums [C, NP]; a
+     * segment's q, k, alpha, alpha k [C, Dk], norms, beta [C], v, do [C, DvP] */
+    size_t n = mul_add(nseg + 1, DvP, 0);
+    n = mul_add(n, (size_t)Dk, 0);
+    n = mul_add(mul_add(nstr + 1, NP, 0), C, n);
+    n = mul_add(C, 4 * (size_t)Dk + 3 + 2 * DvP, n);
+    return lines(n);
+}
+
+size_t gdn_bwd_thread_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
+{
+    const size_t C = (size_t)gdn_checkpoint_interval(T);
+    const size_t R = padded(Dv) < GDN_BWD_ROWS ? padded(Dv) : GDN_BWD_ROWS;
+    /* the checkpoint pass's forward workspace; a strip's S_{t-1} [C, R, Dk] and v - p [C, R],
+     * three Dk vectors */
+    size_t fwd = gdn_fwd_workspace_len(T, Dk, Dv);
+    if (fwd == SIZE_MAX) return SIZE_MAX;
+    size_t n = mul_add(mul_add(C, R, 0), (size_t)Dk + 1, 3 * (size_t)Dk);
+    return lines(mul_add(1, n, fwd - GDN_SCRATCH_SLACK));
+}
+
 size_t gdn_bwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
-    const ptrdiff_t C = gdn_checkpoint_interval(T);
-    const ptrdiff_t nseg = T > 0 ? (T + C - 1) / C : 0;
-    /* checkpoints + (C + 1) segment states + G (rows padded), (v - p) per step + do_t + v_t,
-     * seven Dk vectors */
-    size_t states = mul_add((size_t)(nseg + C + 2), padded(Dv), 0);
-    size_t vectors = mul_add((size_t)C + 2, padded(Dv), 7 * (size_t)Dk);
-    if (states == SIZE_MAX || vectors == SIZE_MAX) return SIZE_MAX;
-    return with_slack(mul_add(states, (size_t)Dk, vectors));
+    size_t p = gdn_bwd_pair_len(T, Dk, Dv), t = gdn_bwd_thread_len(T, Dk, Dv);
+    if (p == SIZE_MAX || t == SIZE_MAX || p > SIZE_MAX - t - GDN_SCRATCH_SLACK) return SIZE_MAX;
+    return p + t + GDN_SCRATCH_SLACK;
+}
+
+ptrdiff_t gdn_bwd_items(ptrdiff_t npairs, ptrdiff_t Dv)
+{
+    return npairs * (Dv > 0 ? (Dv + GDN_BWD_ROWS - 1) / GDN_BWD_ROWS : 1);
 }
 
 ptrdiff_t gdn_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv)
