@@ -1,0 +1,149 @@
+"""The strip kernels on shapes that exercise their edges: strips of 1, 2 and 4 vector registers
+(the count falls as Dk grows), Dv not a multiple of a strip, odd Dk and Dv, T across the forward's
+64-token blocks and the backward's checkpoint segments, packed sequences of length 0 and 1,
+non-contiguous operands, and 1 or several threads (bitwise the same) -- against the reference.
+
+``check_all()`` runs every case once; the instruction-set test runs it in a fresh process per ISA.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gdn_ext
+from gdn_ext import reference
+from helpers import assert_rel_close
+
+SHAPES = [  # (T, Dk, Dv): one (sequence, head) pair each, so several threads split its strips
+    (130, 13, 70),     # odd sizes, Dv not a multiple of a strip, T past two 64-token blocks
+    (65, 128, 100),    # 4 zmm registers of floats per strip
+    (64, 256, 24),     # 2 registers (a 4-register strip would outgrow L1)
+    (9, 512, 20),      # 1 register
+    (5, 7, 3),         # a few steps: the untransposed (decoding) path
+    (1, 4, 1),
+]
+TOL = {np.float64: 1e-11, np.float32: 3e-5}
+
+
+def _inputs(rng, T, Dk, Dv, dtype, per_key, B=1, H=1):
+    q = rng.standard_normal((B, T, H, Dk))
+    k = rng.standard_normal((B, T, H, Dk))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    gate = (B, T, H, Dk) if per_key else (B, T, H)
+    kw = dict(beta=rng.uniform(0.05, 0.95, (B, T, H)), alpha=rng.uniform(0.5, 1.0, gate),
+              initial_state=rng.standard_normal((B, H, Dv, Dk)))
+    args = (q, k, rng.standard_normal((B, T, H, Dv)))
+    cast = lambda a: a.astype(dtype)  # noqa: E731
+    return tuple(map(cast, args)), {n: cast(a) for n, a in kw.items()}
+
+
+def check_case(T, Dk, Dv, dtype, per_key, normalize_qk, threads=(1, 3)):
+    rng = np.random.default_rng(T * 1000 + Dk + Dv)
+    args, kw = _inputs(rng, T, Dk, Dv, dtype, per_key)
+    o, S = gdn_ext.gated_delta_rule(*args, **kw, normalize_qk=normalize_qk, num_threads=threads[0])
+    do = rng.standard_normal(o.shape).astype(dtype)
+    dS = rng.standard_normal(S.shape).astype(dtype)
+    g = gdn_ext.gated_delta_rule_backward(do, *args, **kw, dS_T=dS, normalize_qk=normalize_qk,
+                                          num_threads=threads[0])
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    ref_args, ref_kw = tuple(map(f64, args)), {n: f64(a) for n, a in kw.items()}
+    o_r, S_r = reference.gated_delta_rule(*ref_args, **ref_kw, normalize_qk=normalize_qk)
+    g_r = reference.gated_delta_rule_backward(f64(do), *ref_args, **ref_kw, dS_T=f64(dS),
+                                              normalize_qk=normalize_qk)
+    tol = TOL[dtype]
+    assert_rel_close(o, o_r, tol, "o")
+    assert_rel_close(S, S_r, tol, "S_T")
+    for name in g._fields:
+        assert_rel_close(getattr(g, name), getattr(g_r, name), 10 * tol, name)
+    for nt in threads[1:]:   # the same numbers, bit for bit, whatever the threads
+        o2, S2 = gdn_ext.gated_delta_rule(*args, **kw, normalize_qk=normalize_qk, num_threads=nt)
+        g2 = gdn_ext.gated_delta_rule_backward(do, *args, **kw, dS_T=dS,
+                                               normalize_qk=normalize_qk, num_threads=nt)
+        np.testing.assert_array_equal(o2, o)
+        np.testing.assert_array_equal(S2, S)
+        for name in g._fields:
+            np.testing.assert_array_equal(getattr(g2, name), getattr(g, name), err_msg=name)
+
+
+def check_all():
+    for T, Dk, Dv in SHAPES:
+        for dtype in (np.float64, np.float32):
+            check_case(T, Dk, Dv, dtype, per_key=Dk % 2 == 0, normalize_qk=Dk % 2 == 1)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("T,Dk,Dv", SHAPES)
+@pytest.mark.parametrize("per_key,normalize_qk", [(False, False), (True, True)])
+def test_strip_kernels_match_reference(T, Dk, Dv, dtype, per_key, normalize_qk):
+    check_case(T, Dk, Dv, dtype, per_key, normalize_qk)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_packed_sequences_of_length_0_and_1(dtype):
+    """Packed sequences of lengths 1, 0, 64, 65 and 1 equal separate calls (bitwise) and the
+    reference, with 1 and 3 threads."""
+    lens = [1, 0, 64, 65, 1]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    T, H, Dk, Dv = int(cu[-1]), 2, 20, 36
+    rng = np.random.default_rng(81)
+    args, kw = _inputs(rng, T, Dk, Dv, dtype, per_key=True, H=H)
+    kw["initial_state"] = rng.standard_normal((len(lens), H, Dv, Dk)).astype(dtype)
+    o, S = gdn_ext.gated_delta_rule(*args, **kw, cu_seqlens=cu, num_threads=1)
+    do = rng.standard_normal(o.shape).astype(dtype)
+    g = gdn_ext.gated_delta_rule_backward(do, *args, **kw, cu_seqlens=cu, num_threads=1)
+    g3 = gdn_ext.gated_delta_rule_backward(do, *args, **kw, cu_seqlens=cu, num_threads=3)
+    for name in g._fields:
+        np.testing.assert_array_equal(getattr(g3, name), getattr(g, name), err_msg=name)
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        part = dict(kw, beta=kw["beta"][:, a:b], alpha=kw["alpha"][:, a:b],
+                    initial_state=kw["initial_state"][n:n + 1])
+        sl = tuple(x[:, a:b] for x in args)
+        o_n, S_n = gdn_ext.gated_delta_rule(*sl, **part, num_threads=1)
+        np.testing.assert_array_equal(o[:, a:b], o_n)
+        np.testing.assert_array_equal(S[n:n + 1], S_n)
+        g_n = gdn_ext.gated_delta_rule_backward(do[:, a:b], *sl, **part, num_threads=1)
+        np.testing.assert_array_equal(g.dq[:, a:b], g_n.dq)
+        np.testing.assert_array_equal(g.d_initial_state[n:n + 1], g_n.d_initial_state)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    o_r, _ = reference.gated_delta_rule(*map(f64, args), **{n: f64(a) for n, a in kw.items()},
+                                        cu_seqlens=cu)
+    assert_rel_close(o, o_r, TOL[dtype], "o")
+
+
+def test_non_contiguous_operands():
+    """Strided views (every other token, heads interleaved, a transposed state) give the numbers
+    of their contiguous copies."""
+    rng = np.random.default_rng(82)
+    T, H, Dk, Dv = 140, 3, 24, 40
+    big = {n: rng.standard_normal(s) for n, s in
+           dict(q=(1, 2 * T, H, Dk), k=(1, 2 * T, H, Dk), v=(1, 2 * T, H, Dv),
+                beta=(1, 2 * T, H), alpha=(1, 2 * T, H)).items()}
+    big["k"] /= np.linalg.norm(big["k"], axis=-1, keepdims=True)
+    big["beta"] = 1 / (1 + np.exp(-big["beta"]))
+    big["alpha"] = 1 / (1 + np.exp(-big["alpha"] - 3))
+    views = {n: a[:, ::2] for n, a in big.items()}
+    views["initial_state"] = rng.standard_normal((1, H, Dk, Dv)).transpose(0, 1, 3, 2)
+    copies = {n: np.ascontiguousarray(a) for n, a in views.items()}
+    outs = []
+    for inp in (views, copies):
+        kw = {n: a for n, a in inp.items() if n not in "qkv"}
+        o, S = gdn_ext.gated_delta_rule(inp["q"], inp["k"], inp["v"], **kw)
+        g = gdn_ext.gated_delta_rule_backward(np.ones_like(o), inp["q"], inp["k"], inp["v"], **kw)
+        outs.append((o, S) + tuple(g))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_every_instruction_set_on_the_strip_shapes(isa):
+    """Each instruction set's build (its own strip width) passes the cases above, in a fresh
+    process with GDN_EXT_ISA set."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = "import test_kernels; test_kernels.check_all()"
+    env = dict(os.environ, GDN_EXT_ISA=isa, PYTHONPATH=os.pathsep.join(
+        [here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(here))
+    assert out.returncode == 0, out.stderr[-3000:]
