@@ -344,7 +344,27 @@ static PyObject *py_bwd_workspace_len(PyObject *self, PyObject *args)
     return PyLong_FromSize_t(gdn_bwd_workspace_len(T, Dk, Dv));
 }
 
+static PyObject *py_fma_peak(PyObject *self, PyObject *args)
+{
+    int use_double = 0, threads = 0;
+    double seconds = 0.2;
+    if (!PyArg_ParseTuple(args, "pi|d", &use_double, &threads, &seconds)) return NULL;
+    if (threads < 0 || !(seconds > 0 && seconds < 60)) {
+        PyErr_SetString(PyExc_ValueError, "fma_peak: threads must be >= 0, seconds in (0, 60)");
+        return NULL;
+    }
+    double r;
+    Py_BEGIN_ALLOW_THREADS
+    r = gdn_fma_peak(use_double, threads, seconds);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(r);
+}
+
 static PyMethodDef methods[] = {
+    {"fma_peak", py_fma_peak, METH_VARARGS,
+     "fma_peak(float64: bool, threads: int, seconds=0.2) -> GFLOP/s: the multiply-add ceiling of\n"
+     "the kernels' instruction set (isa()) on `threads` threads (0: OpenMP's default), from\n"
+     "independent vector FMA chains; a multiply-add counts 2 floating-point operations."},
     {"openmp_enabled", py_openmp_enabled, METH_NOARGS,
      "openmp_enabled() -> bool: whether this build runs the (sequence, head) loop with OpenMP."},
     {"isa", py_isa, METH_NOARGS,

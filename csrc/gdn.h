@@ -170,4 +170,10 @@ void gdn_forward_f32(GDN_FWD_ARGS(float));
 void gdn_backward_f64(GDN_BWD_ARGS(double));
 void gdn_backward_f32(GDN_BWD_ARGS(float));
 
+/* The multiply-add ceiling of the instruction set the kernels use: GFLOP/s (a multiply-add counts
+ * 2) of independent vector FMA chains on num_threads threads (0: OpenMP's default), float32 or
+ * float64, timed over about `seconds`. What the bench divides kernel rates by. */
+double gdn_fma_peak(int use_double, int num_threads, double seconds);
+double gdn_now(void);   /* seconds, wall clock */
+
 #endif /* GDN_H */

@@ -13,6 +13,16 @@
 #include <omp.h>
 #endif
 
+#include <time.h>
+double gdn_now(void)
+{
+#ifdef _OPENMP
+    return omp_get_wtime();
+#else
+    return (double)clock() / CLOCKS_PER_SEC;
+#endif
+}
+
 ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T)
 {
     ptrdiff_t C = 1;
@@ -150,6 +160,10 @@ int gdn_openmp_enabled(void)
 /* ---- run-time dispatch -------------------------------------------------------------------- */
 
 #define GDN_DECLARE_ISA(isa)                                                                     \
+    double gdn_fma_probe_f64_##isa(long iters, double m, double c);                              \
+    double gdn_fma_probe_f32_##isa(long iters, float m, float c);                                \
+    int gdn_fma_lanes_f64_##isa(void);                                                           \
+    int gdn_fma_lanes_f32_##isa(void);                                                           \
     void gdn_forward_f64_##isa(GDN_FWD_ARGS(double));                                           \
     void gdn_forward_f32_##isa(GDN_FWD_ARGS(float));                                            \
     void gdn_backward_f64_##isa(GDN_BWD_ARGS(double));                                          \
@@ -202,6 +216,46 @@ void gdn_forward_f64(GDN_FWD_ARGS(double)) { GDN_DISPATCH(gdn_forward_f64, FWD_C
 void gdn_forward_f32(GDN_FWD_ARGS(float)) { GDN_DISPATCH(gdn_forward_f32, FWD_CALL); }
 void gdn_backward_f64(GDN_BWD_ARGS(double)) { GDN_DISPATCH(gdn_backward_f64, BWD_CALL); }
 void gdn_backward_f32(GDN_BWD_ARGS(float)) { GDN_DISPATCH(gdn_backward_f32, BWD_CALL); }
+
+#if GDN_X86_DISPATCH
+#define GDN_DISPATCH_RET(fn, ...)                                                                \
+    (isa_level == 2 ? fn##_avx512(__VA_ARGS__) : isa_level == 1 ? fn##_avx2(__VA_ARGS__)          \
+                                                : fn##_generic(__VA_ARGS__))
+#else
+#define GDN_DISPATCH_RET(fn, ...) fn##_generic(__VA_ARGS__)
+#endif
+
+double gdn_fma_peak(int use_double, int num_threads, double seconds)
+{
+    /* calibrate the iterations on one thread, then time every thread running them at once */
+    volatile double mv = 0.999999, cv = 1e-7;   /* unknown to the compiler: no folding */
+    const double m = mv, c = cv;
+    const int lanes = use_double ? GDN_DISPATCH_RET(gdn_fma_lanes_f64) : GDN_DISPATCH_RET(gdn_fma_lanes_f32);
+    long iters = 1000;
+    double sink = 0, dt = 0;
+    for (;;) {
+        const double t0 = gdn_now();
+        sink += use_double ? GDN_DISPATCH_RET(gdn_fma_probe_f64, iters, m, c)
+                           : GDN_DISPATCH_RET(gdn_fma_probe_f32, iters, (float)m, (float)c);
+        dt = gdn_now() - t0;
+        if (dt > seconds / 4 || iters > (1L << 40)) break;
+        iters *= 4;
+    }
+    const int nt = gdn_threads_for(num_threads > 0 ? num_threads : 1 << 30, num_threads);
+    double best = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        const double t0 = gdn_now();
+#ifdef _OPENMP
+        #pragma omp parallel num_threads(nt) reduction(+ : sink)
+#endif
+        sink += use_double ? GDN_DISPATCH_RET(gdn_fma_probe_f64, iters, m, c)
+                           : GDN_DISPATCH_RET(gdn_fma_probe_f32, iters, (float)m, (float)c);
+        dt = gdn_now() - t0;
+        const double rate = 2.0 * lanes * (double)iters * nt / dt / 1e9;
+        if (rate > best) best = rate;
+    }
+    return sink == 12345.678 ? -best : best;   /* sink is live; never equal in practice */
+}
 
 /* ---- the portable instance ---------------------------------------------------------------- */
 #define GDN_VEC_BYTES 16   /* one vector register */

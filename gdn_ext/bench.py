@@ -86,10 +86,14 @@ class Table:
         self.rows = []
         self.flops_per_token = flops_per_token
 
-    def add(self, group, name, seconds, tokens, flops=None):
+    def add(self, group, name, seconds, tokens, flops=None, peak=None):
+        """peak: the multiply-add ceiling (GFLOP/s) of the threads the row ran on, if it is a
+        gdn_ext kernel row; its "x peak" column is then GFLOP/s / peak."""
         flops = self.flops_per_token * tokens if flops is None else flops
+        gflops = flops / seconds / 1e9
         self.rows.append(dict(group=group, name=name, seconds=seconds, tokens=tokens,
-                              tokens_per_s=tokens / seconds, gflops=flops / seconds / 1e9))
+                              tokens_per_s=tokens / seconds, gflops=gflops,
+                              fraction_of_peak=None if peak is None else gflops / peak))
         return self.rows[-1]
 
 
@@ -266,16 +270,31 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
            "flop_convention": "7*Dk*Dv per token and value head (the forward's work), every row"}
     log(f"gdn_ext bench: B={B} T={T} H={H} Dk=Dv={D}, {threads} threads, kernels {_core.isa()}, "
         f"median of {repeat}")
+    peak = {np.dtype(dt).name: {n: _core.fma_peak(dt == np.float64, n, 0.05 if quick else 0.3)
+                                for n in sorted({1, threads})} for dt in (np.float32, np.float64)}
+    res["fma_peak_gflops"] = peak
+    log("multiply-add ceiling (this CPU, kernels' instruction set, independent FMA chains): "
+        + ", ".join(f"{dt} {p[1]:.1f} GFLOP/s on 1 thread, {p[threads]:.1f} on {threads}"
+                    for dt, p in peak.items()))
     tables = {}
     for dt in (np.float32, np.float64):
         name = np.dtype(dt).name
+        pk = peak[name]
         table = Table(7 * D * D * H)
         ceiling = _matmul_gflops(dt, threads, repeat)
         x = _inputs(B, T, H, D, dt)
         fwd, bwd, both = _gdn_calls(x, threads)
-        t_f = table.add("gdn_ext", f"gdn_ext forward ({name})", _timeit(fwd, repeat), B * T)
-        t_b = table.add("gdn_ext", f"gdn_ext backward ({name})", _timeit(bwd, repeat), B * T)
-        t_fb = table.add("gdn_ext", f"gdn_ext fwd+bwd ({name})", _timeit(both, repeat), B * T)
+        t_f = table.add("gdn_ext", f"gdn_ext forward ({name})", _timeit(fwd, repeat), B * T,
+                        peak=pk[threads])
+        t_b = table.add("gdn_ext", f"gdn_ext backward ({name})", _timeit(bwd, repeat), B * T,
+                        peak=pk[threads])
+        t_fb = table.add("gdn_ext", f"gdn_ext fwd+bwd ({name})", _timeit(both, repeat), B * T,
+                         peak=pk[threads])
+        f1, b1, _ = _gdn_calls(x, 1)
+        table.add("gdn_ext", f"gdn_ext forward, 1 thread ({name})", _timeit(f1, repeat), B * T,
+                  peak=pk[1])
+        table.add("gdn_ext", f"gdn_ext backward, 1 thread ({name})", _timeit(b1, repeat), B * T,
+                  peak=pk[1])
         variants = {
             "per-key gate": (_inputs(B, T, H, D, dt, per_key=True), {}),
             "grouped heads (HV = 2H)": (_inputs(B, T, H // 2 or 1, D, dt, HV=H), {}),
@@ -286,8 +305,10 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
         variants["packed (cu_seqlens, 2B seqs)"] = (packed, dict(cu_seqlens=cu))
         for label, (xv, kw) in variants.items():
             f2, b2, _ = _gdn_calls(xv, threads, **kw)
-            table.add("gdn_ext", f"gdn_ext forward, {label} ({name})", _timeit(f2, repeat), B * T)
-            table.add("gdn_ext", f"gdn_ext backward, {label} ({name})", _timeit(b2, repeat), B * T)
+            table.add("gdn_ext", f"gdn_ext forward, {label} ({name})", _timeit(f2, repeat), B * T,
+                      peak=pk[threads])
+            table.add("gdn_ext", f"gdn_ext backward, {label} ({name})", _timeit(b2, repeat), B * T,
+                      peak=pk[threads])
         if not quick or dt == np.float32:
             _torch_rows(table, x, threads, repeat, torch_T)
         xs = {n: a[:, :numpy_T] for n, a in x.items()}
@@ -300,6 +321,7 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
         _print_table(table, t_f, t_fb, ceiling, log)
         tables[name] = dict(rows=table.rows, matmul_gflops=ceiling,
                             forward_fraction_of_matmul=t_f["gflops"] / ceiling,
+                            forward_fraction_of_peak=t_f["fraction_of_peak"],
                             backward_over_forward=t_b["seconds"] / t_f["seconds"])
     res["tables"] = tables
 
@@ -316,16 +338,25 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
         log(f"  T={Ts:>6}: forward {1e6 * tf / ntok:8.2f} us/token, backward "
             f"{1e6 * tb / ntok:8.2f} us/token")
 
-    log("\nDk = Dv sweep (float32, T as above)")
+    log("\nDk = Dv sweep (T as above; x peak: GFLOP/s over the multiply-add ceiling of the same "
+        "threads)")
     res["sweep_D"] = []
-    for Ds in sweep_D:
-        x = _inputs(B, T, H, Ds, np.float32)
-        fwd, bwd, _ = _gdn_calls(x, threads)
-        tf, tb = _timeit(fwd, repeat), _timeit(bwd, max(1, repeat // 2))
-        gf = 7 * Ds * Ds * H * B * T / tf / 1e9
-        res["sweep_D"].append(dict(D=Ds, forward_s=tf, backward_s=tb, forward_gflops=gf))
-        log(f"  D={Ds:>4}: forward {1e3 * tf:8.2f} ms ({gf:6.1f} GFLOP/s), backward "
-            f"{1e3 * tb:8.2f} ms ({tb / tf:.2f}x)")
+    for dt in (np.float32, np.float64):
+        for n in sorted({1, threads}):
+            for Ds in sweep_D:
+                x = _inputs(B, T, H, Ds, dt)
+                fwd, bwd, _ = _gdn_calls(x, n)
+                tf, tb = _timeit(fwd, repeat), _timeit(bwd, max(1, repeat // 2))
+                gf = 7 * Ds * Ds * H * B * T / tf / 1e9
+                frac = gf / peak[np.dtype(dt).name][n]
+                res["sweep_D"].append(dict(D=Ds, dtype=np.dtype(dt).name, threads=n, forward_s=tf,
+                                           backward_s=tb, forward_gflops=gf,
+                                           forward_fraction_of_peak=frac))
+                log(f"  {np.dtype(dt).name} {n:>2} thr D={Ds:>4}: forward {1e3 * tf:8.2f} ms "
+                    f"({gf:6.1f} GFLOP/s, {frac:4.2f} x peak), backward {1e3 * tb:8.2f} ms "
+                    f"({tb / tf:.2f}x)")
+
+    res["contention"] = contention(B, T, H, D, threads, repeat, busy=1 if quick else None, log=log)
 
     log(f"\nthread sweep (float32 forward, B={B} T={T} H={H} D={D}; parallel efficiency = "
         f"speed-up / threads)")
@@ -365,19 +396,55 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
     return res
 
 
+def _busy(stop):
+    while not stop.is_set():
+        pass
+
+
+def contention(B, T, H, D, threads, repeat, busy=None, log=print):
+    """The float32 forward with default threads and with one thread while `busy` processes
+    (default: one per CPU) spin on every core: default threads must not be the slower."""
+    import multiprocessing as mp
+    busy = os.cpu_count() if busy is None else busy
+    x = _inputs(B, T, H, D, np.float32)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_busy, args=(stop,), daemon=True) for _ in range(busy)]
+    for p in procs:
+        p.start()
+    try:
+        time.sleep(0.5)
+        out = {}
+        for n in (threads, 1):
+            fwd, _, _ = _gdn_calls(x, n)
+            out[n] = _timeit(fwd, repeat)
+    finally:
+        stop.set()
+        for p in procs:
+            p.join()
+    gf = {n: 7 * D * D * H * B * T / t / 1e9 for n, t in out.items()}
+    log(f"\ncontention: {busy} busy processes on {os.cpu_count()} CPUs, float32 forward: "
+        f"{threads} threads {1e3 * out[threads]:.2f} ms ({gf[threads]:.1f} GFLOP/s), 1 thread "
+        f"{1e3 * out[1]:.2f} ms ({gf[1]:.1f} GFLOP/s): default / one = "
+        f"{out[threads] / out[1]:.2f} x the time")
+    return dict(busy_processes=busy, threads=threads, forward_s=out[threads],
+                forward_1thread_s=out[1], ratio=out[threads] / out[1])
+
+
 def _print_table(table, t_f, t_fb, ceiling, log):
-    log(f"\n{'':<74}{'time':>10}{'tokens/s':>12}{'GFLOP/s':>9}{'x matmul':>10}"
+    log(f"\n{'':<74}{'time':>10}{'tokens/s':>12}{'GFLOP/s':>9}{'x peak':>8}{'x matmul':>10}"
         f"{'slower than gdn_ext: fwd':>27}{'f+b':>9}")
     for r in table.rows:
         if r["group"] == "ceiling":
-            log(f"{r['name']:<74}{1e3 * r['seconds']:>8.1f}ms{'':>12}{r['gflops']:>9.1f}"
+            log(f"{r['name']:<74}{1e3 * r['seconds']:>8.1f}ms{'':>12}{r['gflops']:>9.1f}{'':>8}"
                 f"{1.0:>10.2f}")
             continue
         per_tok = r["seconds"] / r["tokens"]
         vs_f = per_tok / (t_f["seconds"] / t_f["tokens"])
         vs_fb = per_tok / (t_fb["seconds"] / t_fb["tokens"])
+        fp = "" if r["fraction_of_peak"] is None else f"{r['fraction_of_peak']:.2f}"
         log(f"{r['name']:<74}{1e3 * r['seconds']:>8.1f}ms{r['tokens_per_s']:>12,.0f}"
-            f"{r['gflops']:>9.1f}{r['gflops'] / ceiling:>10.2f}{vs_f:>26.2f}x{vs_fb:>8.2f}x")
+            f"{r['gflops']:>9.1f}{fp:>8}{r['gflops'] / ceiling:>10.2f}{vs_f:>26.2f}x{vs_fb:>8.2f}x")
 
 
 def plot(res, path):
