@@ -89,6 +89,9 @@ typedef struct {
 /* Value rows of one strip of the backward (a multiple of GDN_ROWS): a strip of G and of one
  * segment's states stays in L1 / L2 while it walks back through the segment. */
 #define GDN_BWD_ROWS 16
+/* The backward runs one pair on every thread (strips in parallel) only when pairs * GDN_BWD_SPLIT
+ * <= threads; otherwise one thread per pair. */
+#define GDN_BWD_SPLIT 8
 /* The forward's strips of the transposed state: NV vector registers of value columns, NV at most
  * GDN_FWD_NV_MAX (set per instruction set) and fewer when a strip of Dk rows would outgrow
  * GDN_FWD_STRIP_BYTES (about L1). GDN_FWD_COLS_MAX: the widest strip of any build, in elements

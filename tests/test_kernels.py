@@ -81,6 +81,13 @@ def test_strip_kernels_match_reference(T, Dk, Dv, dtype, per_key, normalize_qk):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_one_pair_on_many_threads(dtype):
+    """One (sequence, head) pair with 8 strips of value rows on 8 threads: the backward runs the
+    strips in parallel and folds their sums; the same bits as one thread."""
+    check_case(100, 32, 128, dtype, per_key=True, normalize_qk=True, threads=(1, 8))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_packed_sequences_of_length_0_and_1(dtype):
     """Packed sequences of lengths 1, 0, 64, 65 and 1 equal separate calls (bitwise) and the
     reference, with 1 and 3 threads."""
