@@ -88,7 +88,9 @@ typedef struct {
 #define GDN_ROWS 4
 /* Value rows of one strip of the backward (a multiple of GDN_ROWS): a strip of G and of one
  * segment's states stays in L1 / L2 while it walks back through the segment. */
+#ifndef GDN_BWD_ROWS
 #define GDN_BWD_ROWS 16
+#endif
 /* The backward runs one pair on every thread (strips in parallel) only when pairs * GDN_BWD_SPLIT
  * <= threads; otherwise one thread per pair. */
 #define GDN_BWD_SPLIT 8
