@@ -436,7 +436,7 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
 
 
 def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, scale=1.0,
-                          normalize_qk=False, num_threads=None):
+                          normalize_qk=False, num_threads=None, inplace=False):
     """One token of the gated delta rule: recurrent (decoding) form of :func:`gated_delta_rule`.
 
     ``o_t, S_t = gated_delta_rule_step(q_t, k_t, v_t, beta=beta_t, alpha=alpha_t, state=S_{t-1})``
@@ -453,24 +453,46 @@ def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, sca
     alpha or g : array [B, HV] or [B, HV, Dk] (per key channel)  (single-head: [B], [B, 1],
         [B, Dk]); exactly one of them.
     state : array [B, HV, Dv, Dk]  (single-head: [B, Dv, Dk]), or None for zeros; required
-        (pass ``state=None`` explicitly at the first token). Not modified.
+        (pass ``state=None`` explicitly at the first token). Not modified unless ``inplace``.
     scale : float, default 1.0
     normalize_qk : bool, default False -- L2-normalise q_t and k_t, as gated_delta_rule.
     num_threads : int or None -- as gated_delta_rule.
+    inplace : bool, default False -- write S_t over ``state`` and return it as new_state (decoding
+        without a new [B, HV, Dv, Dk] array per token; the same numbers). ``state`` must then be a
+        writeable, C-contiguous ndarray of the result's dtype.
 
     Returns
     -------
-    o_t : ndarray [B, HV, Dv] (single-head: [B, Dv]);  new_state : ndarray shaped as ``state``.
-    float32 when all inputs cast safely to float32, float64 otherwise.
+    o_t : ndarray [B, HV, Dv] (single-head: [B, Dv]);  new_state : ndarray shaped as ``state``
+    (``state`` itself when ``inplace``). float32 when all inputs cast safely to float32, float64
+    otherwise.
 
     Raises
     ------
     TypeError, ValueError
-        As :func:`gated_delta_rule`, the messages naming the argument and the step's shapes.
+        As :func:`gated_delta_rule`, the messages naming the argument and the step's shapes;
+        ValueError when ``inplace`` and ``state`` is None, read-only, not C-contiguous or not of
+        the result's dtype.
 
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025 (arXiv:2412.06464), sec. 3.
     """
     nt = thread_count(num_threads)
+    inplace = flag(inplace, "inplace")
     p = _Problem(q_t, k_t, v_t, beta, alpha, g, state, scale, normalize_qk, step=True)
-    o, S_T = _forward(p, nt)
-    return p.user_seq(o)[:, 0], S_T
+    if not inplace:
+        o, S_T = _forward(p, nt)
+        return p.user_seq(o)[:, 0], S_T
+    if not isinstance(state, np.ndarray):
+        raise ValueError("inplace=True needs state to be an ndarray (to write S_t into); got "
+                         + ("None" if state is None else type(state).__name__))
+    if state.dtype != p.dtype or not state.flags.writeable or not state.flags.c_contiguous:
+        raise ValueError(f"inplace=True needs state to be a writeable, C-contiguous {p.dtype} "
+                         f"array (the result's dtype); got a {state.dtype} array that is "
+                         f"{'' if state.flags.writeable else 'read-only, '}"
+                         f"{'' if state.flags.c_contiguous else 'not '}C-contiguous")
+    # the kernel reads every state row of a step before writing it, so S_t may overwrite S_{t-1}
+    o, o_k = p.new_seq(p.Dv)
+    ufunc = _core.gated_delta_rule_general_fwd if p.general else _core.gated_delta_rule_fwd
+    _call(ufunc, (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args(),
+          (o_k, p.state_view(state)), nt)
+    return p.user_seq(o)[:, 0], state

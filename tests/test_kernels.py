@@ -154,3 +154,49 @@ def test_every_instruction_set_on_the_strip_shapes(isa):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd=os.path.dirname(here))
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("Dv", [6, 64])           # rows padded (state copied) / written in place
+@pytest.mark.parametrize("general", [False, True])  # scalar-gate ufunc / general ufunc
+def test_step_inplace_equals_a_new_state(Dv, general):
+    """gated_delta_rule_step(inplace=True) writes S_t over the state it reads: the same numbers as
+    a new state, over several tokens, on 1 and 3 threads."""
+    rng = np.random.default_rng(83)
+    B, H, HV, Dk, T = 2, 2, 4, 24, 5
+    q = rng.standard_normal((B, T, H, Dk))
+    k = rng.standard_normal((B, T, H, Dk))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, HV, Dv))
+    beta = rng.uniform(0.1, 0.9, (B, T, HV))
+    alpha = rng.uniform(0.5, 1, (B, T, HV, Dk) if general else (B, T, HV))
+    S0 = rng.standard_normal((B, HV, Dv, Dk))
+    for nt in (1, 3):
+        S_new, S_in = S0.copy(), S0.copy()
+        for t in range(T):
+            kw = dict(beta=beta[:, t], alpha=alpha[:, t], normalize_qk=general, num_threads=nt)
+            o1, S_new = gdn_ext.gated_delta_rule_step(q[:, t], k[:, t], v[:, t], state=S_new, **kw)
+            o2, S_ret = gdn_ext.gated_delta_rule_step(q[:, t], k[:, t], v[:, t], state=S_in,
+                                                      inplace=True, **kw)
+            assert S_ret is S_in
+            np.testing.assert_array_equal(o2, o1)
+            np.testing.assert_array_equal(S_in, S_new)
+
+
+def test_step_inplace_errors():
+    q = np.ones((1, 2, 4))
+    kw = dict(beta=np.full((1, 2), 0.5), alpha=np.full((1, 2), 0.9), inplace=True)
+    S = np.zeros((1, 2, 4, 4))
+    with pytest.raises(ValueError, match="inplace=True needs state to be an ndarray"):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=None, **kw)
+    with pytest.raises(ValueError, match="float64 array"):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=S.astype(np.float32).astype(np.float16),
+                                      **kw)
+    ro = S.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=ro, **kw)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=S.transpose(0, 1, 3, 2), **kw)
+    with pytest.raises(TypeError, match="inplace must be a bool"):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=S, **dict(kw, inplace="yes"))
+    np.testing.assert_array_equal(S, 0)
