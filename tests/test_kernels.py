@@ -200,3 +200,17 @@ def test_step_inplace_errors():
     with pytest.raises(TypeError, match="inplace must be a bool"):
         gdn_ext.gated_delta_rule_step(q, q, q, state=S, **dict(kw, inplace="yes"))
     np.testing.assert_array_equal(S, 0)
+
+
+@pytest.mark.parametrize("user", [None, "ACTIVE"])
+def test_wait_policy_set_for_the_extension_only(user):
+    """Importing gdn_ext asks its OpenMP runtime for passive waiting unless the user chose a
+    policy, and leaves the environment as it found it (torch's runtime keeps its defaults)."""
+    env = {n: v for n, v in os.environ.items() if n not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if user:
+        env["OMP_WAIT_POLICY"] = user
+    code = "import os, gdn_ext; print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(user)
