@@ -36,7 +36,9 @@ def openmp_enabled():
 def checkpoint_interval(T):
     """C, the number of steps between state checkpoints in the backward pass: ceil(sqrt(T)).
 
-    The backward holds (ceil(T/C) + C + 2) states of Dv*Dk numbers per thread at any time."""
+    The backward holds ceil(T/C) + 1 states of Dv*Dk numbers per (sequence, head) pair in flight
+    (the checkpoints and dL/dS_t), plus one segment of C states of a strip of 16 value rows per
+    thread."""
     return int(_core.checkpoint_interval(int(T)))
 
 
@@ -357,10 +359,11 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
     when normalize_qk; over the value heads of a group for dq, dk).
 
     Memory: the states are not stored. The backward reruns the recurrence once keeping S every
-    C = ceil(sqrt(T)) steps, then recomputes one segment of C states at a time, so each thread
-    holds (ceil(T/C) + C + 2) * Dv * Dk numbers (plus O(C*Dv + Dk)) -- O(sqrt(T) * Dk * Dv), never
-    T * Dk * Dv -- besides the gradients themselves (and, with grouped value heads, one
-    [B, T, HV, Dk] partial sum of dq and dk). Cost: about 3.5x the forward.
+    C = ceil(sqrt(T)) steps, then recomputes one segment of C states at a time for one strip of 16
+    value rows at a time, so each (sequence, head) pair in flight holds (ceil(T/C) + 1) * Dv * Dk
+    numbers and each thread about C * 16 * Dk more -- O(sqrt(T) * Dk * Dv), never T * Dk * Dv --
+    besides the gradients themselves (and, with grouped value heads, one [B, T, HV, Dk] partial
+    sum of dq and dk). Cost: 5-8x the forward (README, "Speed").
 
     Parameters
     ----------
