@@ -34,16 +34,6 @@ static void raise_from_loop(PyObject *type, const char *msg)
     NPY_DISABLE_C_API;
 }
 
-/* Byte stride -> element stride; 0 on success. */
-static int elem_strides(ptrdiff_t *out, const npy_intp *steps, int count, size_t itemsize)
-{
-    for (int i = 0; i < count; i++) {
-        if (steps[i] % (npy_intp)itemsize != 0) return -1;
-        out[i] = (ptrdiff_t)(steps[i] / (npy_intp)itemsize);
-    }
-    return 0;
-}
-
 /* Workspace for nt threads; NULL (with MemoryError set) on failure or size_t overflow. */
 static void *alloc_workspace(int nt, size_t len, size_t itemsize)
 {
@@ -70,176 +60,255 @@ static int check_cu(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrdiff_t
     return r < 0 ? -1 : 0;
 }
 
-/* The forward's items hold some of a state's value rows, all of them at most. */
-#define STRIP_ROWS(Dv) (Dv)
+/* One operand's element strides in a gufunc loop: its outer (loop) stride and its core strides.
+ * NumPy passes every operand's outer stride first, then the core strides operand by operand. */
+typedef struct {
+    ptrdiff_t n, c[4];
+} op_strides;
 
-#define STRIDES_OR_RETURN(dst, src, count, itemsize)                                            \
-    if (elem_strides(dst, src, count, itemsize) < 0) {                                          \
-        raise_from_loop(PyExc_ValueError, "gdn_ext: operand strides must be multiples of the item size"); \
-        return;                                                                                 \
+/* The strides of nops operands with core_ndim[i] core dimensions and items of itemsize[i] bytes;
+ * -1 with ValueError set when one is not a multiple of its item size. */
+static int operand_strides(op_strides *op, const npy_intp *steps, const int *core_ndim,
+                           const size_t *itemsize, int nops)
+{
+    int pos = nops;
+    for (int i = 0; i < nops; i++) {
+        const npy_intp size = (npy_intp)itemsize[i];
+        if (steps[i] % size != 0) goto bad;
+        op[i].n = (ptrdiff_t)(steps[i] / size);
+        for (int d = 0; d < core_ndim[i]; d++, pos++) {
+            if (steps[pos] % size != 0) goto bad;
+            op[i].c[d] = (ptrdiff_t)(steps[pos] / size);
+        }
     }
+    return 0;
+bad:
+    raise_from_loop(PyExc_ValueError, "gdn_ext: operand strides must be multiples of the item size");
+    return -1;
+}
+
+/* The _ckpt gufuncs register the same loops with data = &with_ckpt: one more operand, the
+ * checkpoints (the forward's last output, the backward's last input). */
+static int with_ckpt = 1;
+
+/* Enough checkpoints for the longest sequence? (-1 with ValueError set if not.) */
+static int check_ckpt_count(ptrdiff_t have, ptrdiff_t max_len)
+{
+    const ptrdiff_t need = gdn_checkpoint_count(max_len);
+    if (have >= need) return 0;
+    char msg[160];
+    snprintf(msg, sizeof msg, "checkpoints: need %td along their axis c for sequences of %td steps "
+             "(gdn_ext.checkpoint_count), got %td", need, max_len, have);
+    raise_from_loop(PyExc_ValueError, msg);
+    return -1;
+}
+
+/* Runs the kernel over nt threads' workspace of len elements each; NULL workspace: error set. */
+#define RUN_WITH_WORKSPACE(REAL, nt, len, call)                                                  \
+    do {                                                                                         \
+        REAL *ws = alloc_workspace(nt, len, sizeof(REAL));                                       \
+        if (ws == NULL) return;                                                                  \
+        call;                                                                                    \
+        PyMem_RawFree(ws);                                                                       \
+    } while (0)
 
 /*
- * Forward loop, scalar gate. Signature (t,k),(t,k),(t,v),(t),(t),(v,k),()->(t,v),(v,k)
- *   args:       q, k, v, alpha, beta, S_0, scale, o, S_T
- *   dimensions: [N, T, Dk, Dv]
- *   steps:      9 outer strides (one per operand), then the core strides
- *               q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) o(t,v) S_T(v,k)  -- 23 in all
+ * Forward loops. Operands (core dimensions):
+ *   scalar gate: q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) scale() -> o(t,v) S_T(v,k)
+ *                [ckpt(c,v,k)];                       dims [N, t, k, v, (c)]
+ *   general:     q k v alpha(t,k) beta(t) S_0(n,v,k) scale() normalize_qk() cu_seqlens(m)
+ *                -> o(t,v) S_T(n,v,k) [ckpt(n,c,v,k)]; dims [N, t, k, v, n, m, (c)]
  * A scalar gate is a per-key gate with key stride 0; one unpacked sequence: cu_seqlens = {0, T}.
  */
-#define DEFINE_FWD_LOOP(SUF, REAL)                                                              \
+#define DEFINE_FWD_LOOPS(SUF, REAL)                                                              \
 static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
-{                                                                                               \
-    (void)data;                                                                                 \
-    const gdn_sizes sz = {dims[0], dims[1], 1, dims[2], dims[3], 1};                            \
-    ptrdiff_t e[23];                                                                            \
-    STRIDES_OR_RETURN(e, steps, 23, sizeof(REAL))                                               \
-    const gdn_fwd_strides st = {                                                                \
-        e[0], e[9], e[10],  e[1], e[11], e[12],  e[2], e[13], e[14],                            \
-        e[3], e[15], 0,  e[4], e[16],  e[5], 0, e[17], e[18],  e[6],  0,  0, 1,                 \
-        e[7], e[19], e[20],  e[8], 0, e[21], e[22]};                                            \
-    const int64_t cu[2] = {0, (int64_t)sz.T};                                                   \
-    const REAL no = 0;                                                                          \
-    const int nt = gdn_threads_for(gdn_fwd_items(sz.N, sz.Dv), call_threads);                   \
-    REAL *ws = alloc_workspace(nt, gdn_fwd_workspace_len(sz.T, sz.Dk, STRIP_ROWS(sz.Dv)), sizeof(REAL)); \
-    if (ws == NULL) return;                                                                     \
-    gdn_forward_##SUF((REAL *)args[7], (REAL *)args[8],                                         \
-                      (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],      \
-                      (const REAL *)args[3], (const REAL *)args[4], (const REAL *)args[5],      \
-                      (const REAL *)args[6], &no, cu, &st, &sz, nt, ws);                        \
-    PyMem_RawFree(ws);                                                                          \
+{                                                                                                \
+    enum { Q, K, V, A, B, S0, SC, O, ST, CK };                                                   \
+    static const int nd[] = {2, 2, 2, 1, 1, 2, 0, 2, 2, 3};                                     \
+    const size_t is[] = {sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL),  \
+                         sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL)}; \
+    const int ck = data != NULL;                                                                 \
+    op_strides p[10] = {{0}};                                                                    \
+    if (operand_strides(p, steps, nd, is, 9 + ck) < 0) return;                                  \
+    const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[2], .Dv = dims[3],     \
+                          .max_len = dims[1], .dalpha_summed = 1};                               \
+    const gdn_fwd_strides st = {                                                                 \
+        .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
+        .k_n = p[K].n, .k_t = p[K].c[0], .k_k = p[K].c[1],                                      \
+        .v_n = p[V].n, .v_t = p[V].c[0], .v_v = p[V].c[1],                                      \
+        .a_n = p[A].n, .a_t = p[A].c[0], .a_k = 0, .b_n = p[B].n, .b_t = p[B].c[0],              \
+        .s0_n = p[S0].n, .s0_v = p[S0].c[0], .s0_k = p[S0].c[1], .sc_n = p[SC].n, .cu_m = 1,     \
+        .o_n = p[O].n, .o_t = p[O].c[0], .o_v = p[O].c[1],                                      \
+        .sT_n = p[ST].n, .sT_v = p[ST].c[0], .sT_k = p[ST].c[1],                                 \
+        .ck_n = p[CK].n, .ck_c = p[CK].c[0], .ck_v = p[CK].c[1], .ck_k = p[CK].c[2]};            \
+    if (ck && check_ckpt_count(dims[4], sz.T) < 0) return;                                       \
+    const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
+    const REAL no = 0;                                                                           \
+    const int nt = gdn_threads_for(gdn_fwd_items(sz.N, sz.Dv), call_threads);                    \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(sz.T, sz.Dk, sz.Dv),                      \
+        gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
+                          (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
+                          (const REAL *)args[A], (const REAL *)args[B], (const REAL *)args[S0],  \
+                          (const REAL *)args[SC], &no, cu, &st, &sz, nt, ws));                   \
+}                                                                                                \
+                                                                                                 \
+static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,         \
+                               void *data)                                                       \
+{                                                                                                \
+    enum { Q, K, V, A, B, S0, SC, NQ, CU, O, ST, CK };                                           \
+    static const int nd[] = {2, 2, 2, 2, 1, 3, 0, 0, 1, 2, 3, 4};                               \
+    const size_t r = sizeof(REAL);                                                               \
+    const size_t is[] = {r, r, r, r, r, r, r, r, sizeof(int64_t), r, r, r};                     \
+    const int ck = data != NULL;                                                                 \
+    op_strides p[12] = {{0}};                                                                    \
+    if (dims[5] != dims[4] + 1) {                                                                \
+        raise_from_loop(PyExc_ValueError, "cu_seqlens must have one more entry than there are "  \
+                        "sequences (initial_state's sequence axis)");                            \
+        return;                                                                                  \
+    }                                                                                            \
+    if (operand_strides(p, steps, nd, is, 11 + ck) < 0) return;                                 \
+    const gdn_fwd_strides st = {                                                                 \
+        .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
+        .k_n = p[K].n, .k_t = p[K].c[0], .k_k = p[K].c[1],                                      \
+        .v_n = p[V].n, .v_t = p[V].c[0], .v_v = p[V].c[1],                                      \
+        .a_n = p[A].n, .a_t = p[A].c[0], .a_k = p[A].c[1], .b_n = p[B].n, .b_t = p[B].c[0],      \
+        .s0_n = p[S0].n, .s0_s = p[S0].c[0], .s0_v = p[S0].c[1], .s0_k = p[S0].c[2],             \
+        .sc_n = p[SC].n, .nq_n = p[NQ].n, .cu_n = p[CU].n, .cu_m = p[CU].c[0],                   \
+        .o_n = p[O].n, .o_t = p[O].c[0], .o_v = p[O].c[1],                                      \
+        .sT_n = p[ST].n, .sT_s = p[ST].c[0], .sT_v = p[ST].c[1], .sT_k = p[ST].c[2],             \
+        .ck_n = p[CK].n, .ck_s = p[CK].c[0], .ck_c = p[CK].c[1], .ck_v = p[CK].c[2],             \
+        .ck_k = p[CK].c[3]};                                                                     \
+    ptrdiff_t max_len = 0;                                                                       \
+    if (check_cu((const int64_t *)args[CU], st.cu_n, st.cu_m, dims[0], dims[4], dims[1],         \
+                 &max_len) < 0)                                                                  \
+        return;                                                                                  \
+    if (ck && check_ckpt_count(dims[6], max_len) < 0) return;                                    \
+    const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[2],              \
+                          .Dv = dims[3], .max_len = max_len, .dalpha_summed = 0};                \
+    const int nt = gdn_threads_for(gdn_fwd_items(sz.N * sz.NS, sz.Dv), call_threads);            \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv),                   \
+        gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
+                          (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
+                          (const REAL *)args[A], (const REAL *)args[B], (const REAL *)args[S0],  \
+                          (const REAL *)args[SC], (const REAL *)args[NQ],                        \
+                          (const int64_t *)args[CU], &st, &sz, nt, ws));                         \
 }
 
 /*
- * Backward loop, scalar gate.
- * Signature (t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k)
- *   args:       do, q, k, v, alpha, beta, S_0, dS_T, scale, dq, dk, dv, dalpha, dbeta, dS_0
- *   dimensions: [N, T, Dv, Dk]   (core dimensions in order of first appearance: t, v, k)
- *   steps:      15 outer strides, then the core strides
- *               do(t,v) q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) dS_T(v,k)
- *               dq(t,k) dk(t,k) dv(t,v) dalpha(t) dbeta(t) dS_0(v,k)  -- 39 in all
+ * Backward loops. Operands (core dimensions):
+ *   scalar gate: do(t,v) q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) dS_T(v,k) scale()
+ *                [ckpt(c,v,k)] -> dq(t,k) dk(t,k) dv(t,v) dalpha(t) dbeta(t) dS_0(v,k);
+ *                dims [N, t, v, k, (c)]
+ *   general:     do q k v alpha(t,k) beta(t) S_0(n,v,k) dS_T(n,v,k) scale() normalize_qk()
+ *                cu_seqlens(m) [ckpt(n,c,v,k)] -> dq dk dv dalpha(t,k) dbeta(t) dS_0(n,v,k);
+ *                dims [N, t, v, k, n, m, (c)]
+ * The outputs come after the optional checkpoints, so their positions shift with ck.
  */
-#define DEFINE_BWD_LOOP(SUF, REAL)                                                              \
+#define DEFINE_BWD_LOOPS(SUF, REAL)                                                              \
 static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
-{                                                                                               \
-    (void)data;                                                                                 \
-    const gdn_sizes sz = {dims[0], dims[1], 1, dims[3], dims[2], 1};                            \
-    ptrdiff_t e[39];                                                                            \
-    STRIDES_OR_RETURN(e, steps, 39, sizeof(REAL))                                               \
-    const gdn_bwd_strides st = {                                                                \
-        e[0], e[15], e[16],  e[1], e[17], e[18],  e[2], e[19], e[20],  e[3], e[21], e[22],      \
-        e[4], e[23], 0,  e[5], e[24],  e[6], 0, e[25], e[26],  e[7], 0, e[27], e[28],  e[8],    \
-        0,  0, 1,                                                                               \
-        e[9], e[29], e[30],  e[10], e[31], e[32],  e[11], e[33], e[34],                         \
-        e[12], e[35], 0,  e[13], e[36],  e[14], 0, e[37], e[38]};                               \
-    const int64_t cu[2] = {0, (int64_t)sz.T};                                                   \
-    const REAL no = 0;                                                                          \
-    const int nt = gdn_threads_for(gdn_bwd_items(sz.N, sz.Dv), call_threads);                   \
-    REAL *ws = alloc_workspace(nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv), sizeof(REAL));    \
-    if (ws == NULL) return;                                                                     \
-    gdn_backward_##SUF((REAL *)args[9], (REAL *)args[10], (REAL *)args[11], (REAL *)args[12],   \
-                       (REAL *)args[13], (REAL *)args[14],                                      \
-                       (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],     \
-                       (const REAL *)args[3], (const REAL *)args[4], (const REAL *)args[5],     \
-                       (const REAL *)args[6], (const REAL *)args[7], (const REAL *)args[8],     \
-                       &no, cu, &st, &sz, nt, ws);                                              \
-    PyMem_RawFree(ws);                                                                          \
-}
-
-/*
- * Forward loop, general: per-key gate, in-kernel q/k normalisation, packed sequences.
- * Signature (t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m)->(t,v),(n,v,k)
- *   args:       q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens (int64), o, S_T
- *   dimensions: [N, T, Dk, Dv, NS, M = NS + 1]
- *   steps:      11 outer strides, then the core strides
- *               q(t,k) k(t,k) v(t,v) alpha(t,k) beta(t) S_0(n,v,k) cu(m) o(t,v) S_T(n,v,k) -- 29
- */
-#define DEFINE_GEN_FWD_LOOP(SUF, REAL)                                                          \
-static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,        \
-                               void *data)                                                      \
-{                                                                                               \
-    (void)data;                                                                                 \
-    const gdn_sizes sz = {dims[0], dims[1], dims[4], dims[2], dims[3], 0};                      \
-    ptrdiff_t e[29], c[2];                                                                      \
-    if (dims[5] != dims[4] + 1) {                                                               \
+{                                                                                                \
+    enum { DO, Q, K, V, A, B, S0, DST, SC, NIN };                                                \
+    const int ck = data != NULL, CK = NIN, DQ = NIN + ck, DK = DQ + 1, DV = DQ + 2, DA = DQ + 3, \
+              DB = DQ + 4, DS0 = DQ + 5;                                                         \
+    int nd[16] = {2, 2, 2, 2, 1, 1, 2, 2, 0, 3};                                                 \
+    const int out_nd[] = {2, 2, 2, 1, 1, 2};                                                     \
+    size_t is[16];                                                                               \
+    for (int i = 0; i < 6; i++) nd[DQ + i] = out_nd[i];                                          \
+    for (int i = 0; i < 16; i++) is[i] = sizeof(REAL);                                           \
+    op_strides p[16] = {{0}};                                                                    \
+    if (operand_strides(p, steps, nd, is, DS0 + 1) < 0) return;                                 \
+    const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[3], .Dv = dims[2],     \
+                          .max_len = dims[1], .dalpha_summed = 1};                               \
+    const op_strides none = {0};                                                                 \
+    const op_strides *c = ck ? &p[CK] : &none;                                                   \
+    const gdn_bwd_strides st = {                                                                 \
+        .do_n = p[DO].n, .do_t = p[DO].c[0], .do_v = p[DO].c[1],                                \
+        .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
+        .k_n = p[K].n, .k_t = p[K].c[0], .k_k = p[K].c[1],                                      \
+        .v_n = p[V].n, .v_t = p[V].c[0], .v_v = p[V].c[1],                                      \
+        .a_n = p[A].n, .a_t = p[A].c[0], .a_k = 0, .b_n = p[B].n, .b_t = p[B].c[0],              \
+        .s0_n = p[S0].n, .s0_v = p[S0].c[0], .s0_k = p[S0].c[1],                                 \
+        .dsT_n = p[DST].n, .dsT_v = p[DST].c[0], .dsT_k = p[DST].c[1],                           \
+        .sc_n = p[SC].n, .cu_m = 1,                                                              \
+        .dq_n = p[DQ].n, .dq_t = p[DQ].c[0], .dq_k = p[DQ].c[1],                                \
+        .dk_n = p[DK].n, .dk_t = p[DK].c[0], .dk_k = p[DK].c[1],                                \
+        .dv_n = p[DV].n, .dv_t = p[DV].c[0], .dv_v = p[DV].c[1],                                \
+        .da_n = p[DA].n, .da_t = p[DA].c[0], .db_n = p[DB].n, .db_t = p[DB].c[0],                \
+        .ds0_n = p[DS0].n, .ds0_v = p[DS0].c[0], .ds0_k = p[DS0].c[1],                           \
+        .ck_n = c->n, .ck_c = c->c[0], .ck_v = c->c[1], .ck_k = c->c[2]};                        \
+    if (ck && check_ckpt_count(dims[4], sz.T) < 0) return;                                       \
+    const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
+    const REAL no = 0;                                                                           \
+    const int nt = gdn_threads_for(gdn_bwd_items(sz.N, sz.Dv), call_threads);                    \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv),                      \
+        gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
+                           (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
+                           (const REAL *)args[DO], (const REAL *)args[Q], (const REAL *)args[K], \
+                           (const REAL *)args[V], (const REAL *)args[A], (const REAL *)args[B],  \
+                           (const REAL *)args[S0], (const REAL *)args[DST],                      \
+                           ck ? (const REAL *)args[CK] : NULL, (const REAL *)args[SC], &no, cu,  \
+                           &st, &sz, nt, ws));                                                   \
+}                                                                                                \
+                                                                                                 \
+static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,         \
+                               void *data)                                                       \
+{                                                                                                \
+    enum { DO, Q, K, V, A, B, S0, DST, SC, NQ, CU, NIN };                                        \
+    const int ck = data != NULL, CK = NIN, DQ = NIN + ck, DK = DQ + 1, DV = DQ + 2, DA = DQ + 3, \
+              DB = DQ + 4, DS0 = DQ + 5;                                                         \
+    int nd[18] = {2, 2, 2, 2, 2, 1, 3, 3, 0, 0, 1, 4};                                           \
+    const int out_nd[] = {2, 2, 2, 2, 1, 3};                                                     \
+    size_t is[18];                                                                               \
+    for (int i = 0; i < 6; i++) nd[DQ + i] = out_nd[i];                                          \
+    for (int i = 0; i < 18; i++) is[i] = i == CU ? sizeof(int64_t) : sizeof(REAL);               \
+    op_strides p[18] = {{0}};                                                                    \
+    if (dims[5] != dims[4] + 1) {                                                                \
         raise_from_loop(PyExc_ValueError, "cu_seqlens must have one more entry than there are "  \
-                        "sequences (initial_state's sequence axis)");                           \
-        return;                                                                                 \
-    }                                                                                           \
-    STRIDES_OR_RETURN(e, steps, 29, sizeof(REAL))                                               \
-    npy_intp cs[2] = {steps[8], steps[23]};                                                     \
-    STRIDES_OR_RETURN(c, cs, 2, sizeof(int64_t))                                                \
-    const gdn_fwd_strides st = {                                                                \
-        e[0], e[11], e[12],  e[1], e[13], e[14],  e[2], e[15], e[16],  e[3], e[17], e[18],      \
-        e[4], e[19],  e[5], e[20], e[21], e[22],  e[6],  e[7],  c[0], c[1],                     \
-        e[9], e[24], e[25],  e[10], e[26], e[27], e[28]};                                       \
-    ptrdiff_t max_len = 0;                                                                      \
-    if (check_cu((const int64_t *)args[8], c[0], c[1], sz.N, sz.NS, sz.T, &max_len) < 0) return; \
-    const int nt = gdn_threads_for(gdn_fwd_items(sz.N * sz.NS, sz.Dv), call_threads);           \
-    REAL *ws = alloc_workspace(nt, gdn_fwd_workspace_len(max_len, sz.Dk, STRIP_ROWS(sz.Dv)), sizeof(REAL)); \
-    if (ws == NULL) return;                                                                     \
-    gdn_forward_##SUF((REAL *)args[9], (REAL *)args[10],                                        \
-                      (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],      \
-                      (const REAL *)args[3], (const REAL *)args[4], (const REAL *)args[5],      \
-                      (const REAL *)args[6], (const REAL *)args[7], (const int64_t *)args[8],   \
-                      &st, &sz, nt, ws);                                                        \
-    PyMem_RawFree(ws);                                                                          \
+                        "sequences (initial_state's sequence axis)");                            \
+        return;                                                                                  \
+    }                                                                                            \
+    if (operand_strides(p, steps, nd, is, DS0 + 1) < 0) return;                                 \
+    const op_strides none = {0};                                                                 \
+    const op_strides *c = ck ? &p[CK] : &none;                                                   \
+    const gdn_bwd_strides st = {                                                                 \
+        .do_n = p[DO].n, .do_t = p[DO].c[0], .do_v = p[DO].c[1],                                \
+        .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
+        .k_n = p[K].n, .k_t = p[K].c[0], .k_k = p[K].c[1],                                      \
+        .v_n = p[V].n, .v_t = p[V].c[0], .v_v = p[V].c[1],                                      \
+        .a_n = p[A].n, .a_t = p[A].c[0], .a_k = p[A].c[1], .b_n = p[B].n, .b_t = p[B].c[0],      \
+        .s0_n = p[S0].n, .s0_s = p[S0].c[0], .s0_v = p[S0].c[1], .s0_k = p[S0].c[2],             \
+        .dsT_n = p[DST].n, .dsT_s = p[DST].c[0], .dsT_v = p[DST].c[1], .dsT_k = p[DST].c[2],     \
+        .sc_n = p[SC].n, .nq_n = p[NQ].n, .cu_n = p[CU].n, .cu_m = p[CU].c[0],                   \
+        .dq_n = p[DQ].n, .dq_t = p[DQ].c[0], .dq_k = p[DQ].c[1],                                \
+        .dk_n = p[DK].n, .dk_t = p[DK].c[0], .dk_k = p[DK].c[1],                                \
+        .dv_n = p[DV].n, .dv_t = p[DV].c[0], .dv_v = p[DV].c[1],                                \
+        .da_n = p[DA].n, .da_t = p[DA].c[0], .da_k = p[DA].c[1],                                \
+        .db_n = p[DB].n, .db_t = p[DB].c[0],                                                    \
+        .ds0_n = p[DS0].n, .ds0_s = p[DS0].c[0], .ds0_v = p[DS0].c[1], .ds0_k = p[DS0].c[2],     \
+        .ck_n = c->n, .ck_s = c->c[0], .ck_c = c->c[1], .ck_v = c->c[2], .ck_k = c->c[3]};       \
+    ptrdiff_t max_len = 0;                                                                       \
+    if (check_cu((const int64_t *)args[CU], st.cu_n, st.cu_m, dims[0], dims[4], dims[1],         \
+                 &max_len) < 0)                                                                  \
+        return;                                                                                  \
+    if (ck && check_ckpt_count(dims[6], max_len) < 0) return;                                    \
+    const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[3],              \
+                          .Dv = dims[2], .max_len = max_len, .dalpha_summed = 0};                \
+    const int nt = gdn_threads_for(gdn_bwd_items(sz.N * sz.NS, sz.Dv), call_threads);            \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv),                   \
+        gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
+                           (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
+                           (const REAL *)args[DO], (const REAL *)args[Q], (const REAL *)args[K], \
+                           (const REAL *)args[V], (const REAL *)args[A], (const REAL *)args[B],  \
+                           (const REAL *)args[S0], (const REAL *)args[DST],                      \
+                           ck ? (const REAL *)args[CK] : NULL, (const REAL *)args[SC],           \
+                           (const REAL *)args[NQ], (const int64_t *)args[CU], &st, &sz, nt,      \
+                           ws));                                                                 \
 }
 
-/*
- * Backward loop, general.
- * Signature (t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m)
- *           ->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)
- *   args:       do, q, k, v, alpha, beta, S_0, dS_T, scale, normalize_qk, cu_seqlens,
- *               dq, dk, dv, dalpha, dbeta, dS_0
- *   dimensions: [N, T, Dv, Dk, NS, M = NS + 1]
- *   steps:      17 outer strides, then the core strides
- *               do(t,v) q(t,k) k(t,k) v(t,v) alpha(t,k) beta(t) S_0(n,v,k) dS_T(n,v,k) cu(m)
- *               dq(t,k) dk(t,k) dv(t,v) dalpha(t,k) dbeta(t) dS_0(n,v,k)  -- 47 in all
- */
-#define DEFINE_GEN_BWD_LOOP(SUF, REAL)                                                          \
-static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,        \
-                               void *data)                                                      \
-{                                                                                               \
-    (void)data;                                                                                 \
-    const gdn_sizes sz = {dims[0], dims[1], dims[4], dims[3], dims[2], 0};                      \
-    ptrdiff_t e[47], c[2];                                                                      \
-    if (dims[5] != dims[4] + 1) {                                                               \
-        raise_from_loop(PyExc_ValueError, "cu_seqlens must have one more entry than there are "  \
-                        "sequences (initial_state's sequence axis)");                           \
-        return;                                                                                 \
-    }                                                                                           \
-    STRIDES_OR_RETURN(e, steps, 47, sizeof(REAL))                                               \
-    npy_intp cs[2] = {steps[10], steps[34]};                                                    \
-    STRIDES_OR_RETURN(c, cs, 2, sizeof(int64_t))                                                \
-    const gdn_bwd_strides st = {                                                                \
-        e[0], e[17], e[18],  e[1], e[19], e[20],  e[2], e[21], e[22],  e[3], e[23], e[24],      \
-        e[4], e[25], e[26],  e[5], e[27],  e[6], e[28], e[29], e[30],                           \
-        e[7], e[31], e[32], e[33],  e[8],  e[9],  c[0], c[1],                                   \
-        e[11], e[35], e[36],  e[12], e[37], e[38],  e[13], e[39], e[40],                        \
-        e[14], e[41], e[42],  e[15], e[43],  e[16], e[44], e[45], e[46]};                       \
-    ptrdiff_t max_len = 0;                                                                      \
-    if (check_cu((const int64_t *)args[10], c[0], c[1], sz.N, sz.NS, sz.T, &max_len) < 0) return; \
-    const int nt = gdn_threads_for(gdn_bwd_items(sz.N * sz.NS, sz.Dv), call_threads);           \
-    REAL *ws = alloc_workspace(nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv), sizeof(REAL)); \
-    if (ws == NULL) return;                                                                     \
-    gdn_backward_##SUF((REAL *)args[11], (REAL *)args[12], (REAL *)args[13], (REAL *)args[14],  \
-                       (REAL *)args[15], (REAL *)args[16],                                      \
-                       (const REAL *)args[0], (const REAL *)args[1], (const REAL *)args[2],     \
-                       (const REAL *)args[3], (const REAL *)args[4], (const REAL *)args[5],     \
-                       (const REAL *)args[6], (const REAL *)args[7], (const REAL *)args[8],     \
-                       (const REAL *)args[9], (const int64_t *)args[10], &st, &sz, nt, ws);     \
-    PyMem_RawFree(ws);                                                                          \
-}
-
-DEFINE_FWD_LOOP(f32, float)
-DEFINE_FWD_LOOP(f64, double)
-DEFINE_BWD_LOOP(f32, float)
-DEFINE_BWD_LOOP(f64, double)
-DEFINE_GEN_FWD_LOOP(f32, float)
-DEFINE_GEN_FWD_LOOP(f64, double)
-DEFINE_GEN_BWD_LOOP(f32, float)
-DEFINE_GEN_BWD_LOOP(f64, double)
+DEFINE_FWD_LOOPS(f32, float)
+DEFINE_FWD_LOOPS(f64, double)
+DEFINE_BWD_LOOPS(f32, float)
+DEFINE_BWD_LOOPS(f64, double)
 
 /* The gufunc table: one entry per operation, float32 then float64 loops (NumPy picks the first loop
  * its casting rules allow, so float16 and small ints run in float32, other ints in float64). */
@@ -248,6 +317,7 @@ static PyUFuncGenericFunction bwd_funcs[] = {bwd_loop_f32, bwd_loop_f64};
 static PyUFuncGenericFunction gen_fwd_funcs[] = {gen_fwd_loop_f32, gen_fwd_loop_f64};
 static PyUFuncGenericFunction gen_bwd_funcs[] = {gen_bwd_loop_f32, gen_bwd_loop_f64};
 static void *no_data[] = {NULL, NULL};
+static void *ck_data[] = {&with_ckpt, &with_ckpt};
 #define TF NPY_FLOAT
 #define TD NPY_DOUBLE
 #define TI NPY_INT64
@@ -258,6 +328,16 @@ static const char gen_fwd_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF,
                                      TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD};
 static const char gen_bwd_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF, TF, TF, TF, TF,
                                      TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD, TD, TD, TD};
+/* the _ckpt variants: one more float operand (the forward's last output, the backward's last
+ * input, just before the outputs) */
+static const char fwd_ck_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF, TF,
+                                    TD, TD, TD, TD, TD, TD, TD, TD, TD, TD};
+static const char bwd_ck_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TF,
+                                    TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TD};
+static const char gen_fwd_ck_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF, TF,
+                                        TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD};
+static const char gen_bwd_ck_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF, TF, TF, TF, TF, TF,
+                                        TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD, TD, TD, TD, TD};
 #undef TF
 #undef TD
 #undef TI
@@ -269,6 +349,7 @@ typedef struct {
     int nin, nout;
     const char *signature;
     const char *doc;
+    void **data;   /* NULL: no_data */
 } gufunc_descriptor;
 
 static const gufunc_descriptor gufuncs[] = {
@@ -298,6 +379,32 @@ static const gufunc_descriptor gufuncs[] = {
      "gated_delta_rule_general_bwd(do, q, k, v, alpha, beta, S_0, dS_T, scale, normalize_qk,\n"
      "    cu_seqlens, /, out=None, **kwargs) -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
      "Backward of gated_delta_rule_general_fwd. See gdn_ext.ufuncs."},
+    {"gated_delta_rule_fwd_ckpt", fwd_funcs, fwd_ck_types, 7, 3,
+     "(t,k),(t,k),(t,v),(t),(t),(v,k),()->(t,v),(v,k),(c,v,k)",
+     "gated_delta_rule_fwd_ckpt(q, k, v, alpha, beta, S_0, scale, /, out=None, **kwargs)\n"
+     "    -> (o, S_T, checkpoints)\n\n"
+     "gated_delta_rule_fwd that also writes the states before steps 0, C, 2C, ...\n"
+     "(C = checkpoint_interval(t)) into checkpoints [c, v, k], c >= checkpoint_count(t): pass\n"
+     "out= (c is not an input dimension). See gdn_ext.ufuncs.", ck_data},
+    {"gated_delta_rule_bwd_ckpt", bwd_funcs, bwd_ck_types, 10, 6,
+     "(t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),(),(c,v,k)->(t,k),(t,k),(t,v),(t),(t),(v,k)",
+     "gated_delta_rule_bwd_ckpt(do, q, k, v, alpha, beta, S_0, dS_T, scale, checkpoints, /,\n"
+     "    out=None, **kwargs) -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
+     "gated_delta_rule_bwd with the forward's checkpoints (gated_delta_rule_fwd_ckpt over the\n"
+     "same inputs) instead of its own checkpoint pass. See gdn_ext.ufuncs.", ck_data},
+    {"gated_delta_rule_general_fwd_ckpt", gen_fwd_funcs, gen_fwd_ck_types, 9, 3,
+     "(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m)->(t,v),(n,v,k),(n,c,v,k)",
+     "gated_delta_rule_general_fwd_ckpt(q, k, v, alpha, beta, S_0, scale, normalize_qk,\n"
+     "    cu_seqlens, /, out=None, **kwargs) -> (o, S_T, checkpoints)\n\n"
+     "gated_delta_rule_general_fwd that also writes each sequence's checkpoints [n, c, v, k].\n"
+     "See gdn_ext.ufuncs.", ck_data},
+    {"gated_delta_rule_general_bwd_ckpt", gen_bwd_funcs, gen_bwd_ck_types, 12, 6,
+     "(t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m),(n,c,v,k)"
+     "->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)",
+     "gated_delta_rule_general_bwd_ckpt(do, q, k, v, alpha, beta, S_0, dS_T, scale,\n"
+     "    normalize_qk, cu_seqlens, checkpoints, /, out=None, **kwargs)\n"
+     "    -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
+     "gated_delta_rule_general_bwd with the forward's checkpoints. See gdn_ext.ufuncs.", ck_data},
 };
 
 static PyObject *py_openmp_enabled(PyObject *self, PyObject *noargs)
@@ -335,6 +442,13 @@ static PyObject *py_checkpoint_interval(PyObject *self, PyObject *arg)
     Py_ssize_t T = PyLong_AsSsize_t(arg);
     if (T == -1 && PyErr_Occurred()) return NULL;
     return PyLong_FromSsize_t(gdn_checkpoint_interval(T));
+}
+
+static PyObject *py_checkpoint_count(PyObject *self, PyObject *arg)
+{
+    Py_ssize_t T = PyLong_AsSsize_t(arg);
+    if (T == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromSsize_t(gdn_checkpoint_count(T));
 }
 
 static PyObject *py_bwd_workspace_len(PyObject *self, PyObject *args)
@@ -375,6 +489,8 @@ static PyMethodDef methods[] = {
      "_threads_for(N) -> threads a call over N (sequence, head) pairs would use now."},
     {"checkpoint_interval", py_checkpoint_interval, METH_O,
      "checkpoint_interval(T) -> C: the backward keeps the state every C = ceil(sqrt(T)) steps."},
+    {"checkpoint_count", py_checkpoint_count, METH_O,
+     "checkpoint_count(T) -> ceil(T / C): the states a forward hands to the backward."},
     {"bwd_workspace_len", py_bwd_workspace_len, METH_VARARGS,
      "bwd_workspace_len(T, Dk, Dv) -> elements of backward workspace per thread."},
     {NULL, NULL, 0, NULL}};
@@ -393,7 +509,8 @@ PyMODINIT_FUNC PyInit__core(void)
     for (size_t i = 0; i < sizeof(gufuncs) / sizeof(gufuncs[0]); i++) {
         const gufunc_descriptor *d = &gufuncs[i];
         PyObject *f = PyUFunc_FromFuncAndDataAndSignature(
-            d->funcs, no_data, (char *)d->types, 2, d->nin, d->nout, PyUFunc_None, d->name, d->doc,
+            d->funcs, d->data ? d->data : no_data, (char *)d->types, 2, d->nin, d->nout,
+            PyUFunc_None, d->name, d->doc,
             0, d->signature);
         if (f == NULL || PyModule_AddObject(m, d->name, f) < 0) {
             Py_XDECREF(f);

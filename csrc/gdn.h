@@ -54,6 +54,7 @@ typedef struct {
     ptrdiff_t cu_n, cu_m;                    /* cu_seqlens [N, NS + 1] */
     ptrdiff_t o_n, o_t, o_v;                 /* o      [N, T, Dv]     */
     ptrdiff_t sT_n, sT_s, sT_v, sT_k;        /* S_T    [N, NS, Dv, Dk] */
+    ptrdiff_t ck_n, ck_s, ck_c, ck_v, ck_k;  /* checkpoints [N, NS, NCK, Dv, Dk] (optional) */
 } gdn_fwd_strides;
 
 /* Per-operand strides of the backward pass, in elements. */
@@ -75,12 +76,14 @@ typedef struct {
     ptrdiff_t da_n, da_t, da_k;              /* dalpha [N, T, Dk] ([N, T] when summed) */
     ptrdiff_t db_n, db_t;                    /* dbeta  [N, T]         */
     ptrdiff_t ds0_n, ds0_s, ds0_v, ds0_k;    /* dS_0   [N, NS, Dv, Dk] */
+    ptrdiff_t ck_n, ck_s, ck_c, ck_v, ck_k;  /* checkpoints [N, NS, NCK, Dv, Dk] (optional) */
 } gdn_bwd_strides;
 
 /* Sizes of one call: N loop elements, each T tokens holding NS packed sequences whose boundaries
  * are cu_seqlens (NS = 1, cu_seqlens = {0, T} for an unpacked batch). */
 typedef struct {
     ptrdiff_t N, T, NS, Dk, Dv;
+    ptrdiff_t max_len;   /* the longest packed sequence (cu_seqlens already checked) */
     int dalpha_summed;   /* scalar gate: the backward writes dalpha[t] = sum_j dalpha[t, j] */
 } gdn_sizes;
 
@@ -118,6 +121,8 @@ ptrdiff_t gdn_fwd_block(ptrdiff_t T);   /* min(T, GDN_FWD_BLOCK), at least 1 */
 /* Checkpoint interval C of the backward pass: ceil(sqrt(T)), which minimises the
  * (ceil(T/C) + C + 2) states held per (sequence, head): checkpoints, a segment, and G. */
 ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T);
+/* Checkpoints of a T-step sequence: ceil(T / C), 0 for T = 0 (never falls as T grows). */
+ptrdiff_t gdn_checkpoint_count(ptrdiff_t T);
 
 /* Workspace, in elements, that one thread needs for one sequence of at most T tokens; SIZE_MAX
  * if that would overflow size_t. */
@@ -146,15 +151,20 @@ int gdn_threads_for(ptrdiff_t n, int num_threads);
 int gdn_openmp_enabled(void);
 
 /*
+ * Checkpoints handed from the forward to the backward (optional, NULL: none): for each pair, the
+ * state before steps 0, C, 2C, ... of its sequence (C = gdn_checkpoint_interval of its length),
+ * NCK >= ceil(T_max / C(T_max)) of them (the count never falls as T grows). The backward then skips
+ * its own checkpoint pass; it trusts them to come from a forward over the same inputs.
+ *
  * Forward over N * NS independent (sequence, head) pairs, in parallel over the pairs and the strips
  * of value rows of each state (rows never mix in the forward).
- * cu_seqlens must have passed gdn_check_cu_seqlens (max_len = its longest sequence).
+ * cu_seqlens must have passed gdn_check_cu_seqlens, and sz->max_len be its longest sequence.
  * ws: nthreads * gdn_fwd_workspace_len(max_len, Dk, Dv) elements with
  * nthreads = gdn_threads_for(gdn_fwd_items(N * NS, Dv), num_threads) (at least as many as it uses).
  */
 ptrdiff_t gdn_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv);
 #define GDN_FWD_ARGS(REAL)                                                                       \
-    REAL *o, REAL *S_T,                                                                          \
+    REAL *o, REAL *S_T, REAL *ckpt,                                                              \
     const REAL *q, const REAL *k, const REAL *v, const REAL *alpha, const REAL *beta,           \
     const REAL *S_0, const REAL *scale, const REAL *normalize_qk, const int64_t *cu_seqlens,    \
     const gdn_fwd_strides *st, const gdn_sizes *sz, int num_threads, REAL *ws
@@ -169,7 +179,7 @@ void gdn_forward_f32(GDN_FWD_ARGS(float));
 #define GDN_BWD_ARGS(REAL)                                                                       \
     REAL *dq, REAL *dk, REAL *dv, REAL *dalpha, REAL *dbeta, REAL *dS_0,                         \
     const REAL *d_o, const REAL *q, const REAL *k, const REAL *v, const REAL *alpha,            \
-    const REAL *beta, const REAL *S_0, const REAL *dS_T, const REAL *scale,                     \
+    const REAL *beta, const REAL *S_0, const REAL *dS_T, const REAL *ckpt, const REAL *scale,   \
     const REAL *normalize_qk, const int64_t *cu_seqlens,                                        \
     const gdn_bwd_strides *st, const gdn_sizes *sz, int num_threads, REAL *ws
 void gdn_backward_f64(GDN_BWD_ARGS(double));

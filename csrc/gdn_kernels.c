@@ -30,6 +30,11 @@ ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T)
     return C;
 }
 
+ptrdiff_t gdn_checkpoint_count(ptrdiff_t T)
+{
+    return T > 0 ? (T + gdn_checkpoint_interval(T) - 1) / gdn_checkpoint_interval(T) : 0;
+}
+
 /* a * b + c in size_t, or SIZE_MAX when it would overflow */
 static size_t mul_add(size_t a, size_t b, size_t c)
 {
@@ -209,8 +214,8 @@ const char *gdn_isa(void) { return isa_names[isa_level]; }
 #define GDN_DISPATCH(fn, ...) fn##_generic(__VA_ARGS__)
 #endif
 
-#define FWD_CALL o, S_T, q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens, st, sz, num_threads, ws
-#define BWD_CALL dq, dk, dv, dalpha, dbeta, dS_0, d_o, q, k, v, alpha, beta, S_0, dS_T, scale,   \
+#define FWD_CALL o, S_T, ckpt, q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens, st, sz, num_threads, ws
+#define BWD_CALL dq, dk, dv, dalpha, dbeta, dS_0, d_o, q, k, v, alpha, beta, S_0, dS_T, ckpt, scale, \
                  normalize_qk, cu_seqlens, st, sz, num_threads, ws
 void gdn_forward_f64(GDN_FWD_ARGS(double)) { GDN_DISPATCH(gdn_forward_f64, FWD_CALL); }
 void gdn_forward_f32(GDN_FWD_ARGS(float)) { GDN_DISPATCH(gdn_forward_f32, FWD_CALL); }
