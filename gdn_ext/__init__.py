@@ -30,13 +30,14 @@ if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
 from . import layer, reference, ufuncs
 from .layer import (GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward,
                     gated_deltanet_step, l2norm, rmsnorm)
-from .recurrence import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, checkpoint_interval,
+from .recurrence import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, checkpoint_count,
+                         checkpoint_interval,
                          gated_delta_rule, gated_delta_rule_backward, gated_delta_rule_step,
                          openmp_enabled)
 
 __version__ = "0.1.0"
 
 __all__ = ["gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
-           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "GatedDeltaNetParams",
+           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count", "GatedDeltaNetParams",
            "gated_deltanet_forward", "gated_deltanet_backward", "gated_deltanet_step", "rmsnorm",
            "l2norm", "layer", "reference", "ufuncs", "__version__"]

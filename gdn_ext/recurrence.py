@@ -12,7 +12,7 @@ from ._checks import (as_real_array, compute_dtype, expect_shape, flag, real_sca
                       thread_count)
 
 __all__ = ["gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
-           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval"]
+           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count"]
 
 GatedDeltaRuleGrads = namedtuple("GatedDeltaRuleGrads",
                                  ["dq", "dk", "dv", "dbeta", "dalpha", "d_initial_state"])
@@ -217,6 +217,20 @@ class _Problem:
         S = S.reshape(self.B, self.H, self.G, Dv, Dk)
         return S[:, :, :, None] if self.general else S
 
+    def ckpt_shape(self):
+        """The user's shape of the forward's checkpoints: the state's, with an axis of
+        checkpoint_count(longest sequence) states before (Dv, Dk)."""
+        longest = int(np.max(np.diff(self.cu))) if self.cu.size > 1 else 0
+        return self.state_shape[:-2] + (checkpoint_count(longest), self.Dv, self.Dk)
+
+    def ckpt_view(self, C):
+        """Checkpoints in the user's shape -> the _ckpt ufuncs' [B, H, G, (NS,) NCK, Dv, Dk]."""
+        nck, Dv, Dk = C.shape[-3:]
+        if self.packed:
+            return C.reshape(self.NS, self.H, self.G, nck, Dv, Dk).transpose(1, 2, 0, 3, 4, 5)[None]
+        C = C.reshape(self.B, self.H, self.G, nck, Dv, Dk)
+        return C[:, :, :, None] if self.general else C
+
     def new_seq(self, D):
         """A new [B, T, HV, D] array (user layout) and its kernel view [B, H, G, T, D]."""
         B, T = self.B, self.T
@@ -244,19 +258,27 @@ def _call(ufunc, args, out, num_threads):
         _core._set_call_threads(prev)
 
 
-def _forward(p, num_threads):
-    """Run the forward of a checked problem; returns (o [B, T, HV, Dv], S_T in the state shape)."""
+def _forward(p, num_threads, checkpoints=False):
+    """Run the forward of a checked problem; returns (o [B, T, HV, Dv], S_T in the state shape)
+    and, with checkpoints=True, the checkpoints in their user shape."""
     o, o_k = p.new_seq(p.Dv)
     S_T, S_T_k = p.new_state()
-    ufunc = _core.gated_delta_rule_general_fwd if p.general else _core.gated_delta_rule_fwd
-    _call(ufunc, (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args(),
-          (o_k, S_T_k), num_threads)
-    return o, S_T
+    args = (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args()
+    if not checkpoints:
+        ufunc = _core.gated_delta_rule_general_fwd if p.general else _core.gated_delta_rule_fwd
+        _call(ufunc, args, (o_k, S_T_k), num_threads)
+        return o, S_T
+    # packed: zeros in the slots past a shorter sequence's own count (the kernel writes the rest)
+    ck = (np.zeros if p.packed else np.empty)(p.ckpt_shape(), p.dtype)
+    ufunc = (_core.gated_delta_rule_general_fwd_ckpt if p.general
+             else _core.gated_delta_rule_fwd_ckpt)
+    _call(ufunc, args, (o_k, S_T_k, p.ckpt_view(ck)), num_threads)
+    return o, S_T, ck
 
 
 def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
                      output_final_state=True, num_threads=None, normalize_qk=False,
-                     cu_seqlens=None):
+                     cu_seqlens=None, return_checkpoints=False):
     """The gated delta rule recurrence (Gated DeltaNet's token mixer), computed in C.
 
     For each sequence and value head, with state S of shape [Dv, Dk] and t = 1..T::
@@ -303,11 +325,19 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
         Packed variable-length batch (the FlashAttention convention): B must be 1 and sequence n
         is tokens cu_seqlens[n] .. cu_seqlens[n+1] - 1, starting from initial_state[n] and ending in
         S_T[n]; no state crosses a boundary. cu_seqlens starts at 0, never decreases, ends at T.
+    return_checkpoints : bool, default False
+        Also return the states the backward would recompute as its checkpoints (before steps 0,
+        C, 2C, ... of each sequence, C = checkpoint_interval(T)), to pass to
+        :func:`gated_delta_rule_backward` as ``checkpoints=``: training then runs the recurrence
+        forward once less. They cost checkpoint_count(T) ~ sqrt(T) states per sequence and head.
 
     Returns
     -------
     o : ndarray [B, T, HV, Dv]  (single-head: [B, T, Dv])
     S_T : ndarray, the shape of initial_state ([B, HV, Dv, Dk]; packed: [N, HV, Dv, Dk]), or None
+    checkpoints : ndarray [B, HV, NCK, Dv, Dk] (single-head [B, NCK, Dv, Dk]; packed
+        [N, HV, NCK, Dv, Dk]; NCK = checkpoint_count of the longest sequence), only with
+        ``return_checkpoints=True``.
 
     Both are float32 when every input casts safely to float32 (float32, float16, small ints) and
     float64 otherwise, computed in that precision, as a NumPy ufunc would choose (dtypes that do
@@ -338,14 +368,18 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     """
     nt = thread_count(num_threads)
     output_final_state = flag(output_final_state, "output_final_state")
+    return_checkpoints = flag(return_checkpoints, "return_checkpoints")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens)
+    if return_checkpoints:
+        o, S_T, ck = _forward(p, nt, checkpoints=True)
+        return p.user_seq(o), (S_T if output_final_state else None), ck
     o, S_T = _forward(p, nt)
     return p.user_seq(o), (S_T if output_final_state else None)
 
 
 def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
                               dS_T=None, scale=1.0, num_threads=None, normalize_qk=False,
-                              cu_seqlens=None):
+                              cu_seqlens=None, checkpoints=None):
     """Gradients of :func:`gated_delta_rule` (backpropagation through time, in C).
 
     Given ``do`` = dL/do and ``dS_T`` = dL/dS_T, returns dL/d(every input). Walks t = T..1 with
@@ -373,6 +407,11 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         As for :func:`gated_delta_rule` (same shapes, same rules).
     dS_T : array, the shape of the final state, optional
         Gradient of the loss with respect to the final state; zeros when None.
+    checkpoints : array, optional
+        What ``gated_delta_rule(..., return_checkpoints=True)`` returned for these same inputs:
+        the backward then skips its own checkpoint pass (one forward recurrence). Checked for
+        shape and for starting at initial_state; they must come from the same inputs, which is
+        not otherwise checked.
 
     Returns
     -------
@@ -404,6 +443,7 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         expect_shape(dST, "dS_T", p.state_shape, p.state_layout)
         dST_k = p.state_view(dST)
     do_k = p.seq_view(do.reshape(p.B, p.T, p.HV, p.Dv))
+    ck_k = None if checkpoints is None else _checked_ckpt(p, checkpoints, initial_state)
 
     B, T, H, G, HV, Dk = p.B, p.T, p.H, p.G, p.HV, p.Dk
     # dq, dk: one partial gradient per value head, summed over each group below when G > 1
@@ -418,9 +458,14 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         dalpha = np.empty((B, T, HV), p.dtype)
         dalpha_k = p.head_view(dalpha)
     dS0, dS0_k = p.new_state()
-    ufunc = _core.gated_delta_rule_general_bwd if p.general else _core.gated_delta_rule_bwd
-    _call(ufunc, (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args(),
-          (dq_k, dk_k, dv_k, dalpha_k, p.head_view(dbeta), dS0_k), nt)
+    args = (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args()
+    if ck_k is None:
+        ufunc = _core.gated_delta_rule_general_bwd if p.general else _core.gated_delta_rule_bwd
+    else:
+        args += (ck_k,)
+        ufunc = (_core.gated_delta_rule_general_bwd_ckpt if p.general
+                 else _core.gated_delta_rule_bwd_ckpt)
+    _call(ufunc, args, (dq_k, dk_k, dv_k, dalpha_k, p.head_view(dbeta), dS0_k), nt)
 
     if G > 1:
         dq = dq.reshape(B, T, H, G, Dk).sum(axis=3)
@@ -436,6 +481,30 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         dg = (a.reshape(dalpha.shape) * dalpha).astype(p.dtype, copy=False)
         return GatedDeltaRuleGradsG(dq, dk, dv, dbeta, dg.reshape(p.gate_shape), dS0)
     return GatedDeltaRuleGrads(dq, dk, dv, dbeta, dalpha.reshape(p.gate_shape), dS0)
+
+
+def _checked_ckpt(p, checkpoints, initial_state):
+    """The backward's checkpoints= checked (shape; the first one of every non-empty sequence is
+    its initial state) and viewed for the _ckpt ufunc."""
+    ck = as_real_array(checkpoints, "checkpoints")
+    shape = p.ckpt_shape()
+    lay = p.state_layout[:-len("Dv, Dk]")] + "NCK, Dv, Dk]"
+    expect_shape(ck, "checkpoints", shape, lay + " (from gated_delta_rule(..., "
+                 "return_checkpoints=True) on the same inputs)")
+    nonempty = np.diff(p.cu) > 0                    # per packed sequence (one when not packed)
+    first = ck[..., 0, :, :]
+    s0 = np.zeros(p.state_shape) if initial_state is None else np.asarray(initial_state)
+    mask = nonempty.reshape((-1,) + (1,) * (first.ndim - 1)) if p.packed else True
+    if not np.array_equal(np.where(mask, first, 0), np.where(mask, s0.astype(first.dtype), 0)):
+        raise ValueError("checkpoints do not start from initial_state: they must come from "
+                         "gated_delta_rule(..., return_checkpoints=True) on the same inputs")
+    return p.ckpt_view(ck)
+
+
+def checkpoint_count(T):
+    """The number of checkpoints of a T-step sequence, ceil(T / checkpoint_interval(T)): the
+    states gated_delta_rule(..., return_checkpoints=True) returns per sequence and head."""
+    return int(_core.checkpoint_count(int(T)))
 
 
 def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, scale=1.0,

@@ -43,11 +43,16 @@ class _GatedDeltaRule(torch.autograd.Function):
         arrays = [_to_numpy(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (beta, "beta"),
                                                 (gate, opts["gate_name"]))]
         s0 = None if initial_state is None else _to_numpy(initial_state, "initial_state")
-        o, S_T = _np_forward(*arrays[:3], beta=arrays[3], initial_state=s0,
-                             **{opts["gate_name"]: arrays[4]}, **opts["call"])
+        # when a gradient will be asked for, keep the forward's checkpoints: the backward then
+        # runs the recurrence forward once less (about sqrt(T) states per sequence and head)
+        keep = any(ctx.needs_input_grad)
+        out = _np_forward(*arrays[:3], beta=arrays[3], initial_state=s0,
+                          **{opts["gate_name"]: arrays[4]}, **opts["call"],
+                          return_checkpoints=keep)
+        ctx.ckpt = out[2] if keep else None
         ctx.save_for_backward(q, k, v, beta, gate, initial_state)
         ctx.opts = opts
-        return torch.from_numpy(o), torch.from_numpy(S_T)
+        return torch.from_numpy(out[0]), torch.from_numpy(out[1])
 
     @staticmethod
     @once_differentiable
@@ -58,7 +63,8 @@ class _GatedDeltaRule(torch.autograd.Function):
         s0 = None if initial_state is None else initial_state.detach().numpy()
         grads = _np_backward(do.detach().numpy(), *arrays[:3], beta=arrays[3], initial_state=s0,
                              dS_T=None if dS_T is None else dS_T.detach().numpy(),
-                             **{opts["gate_name"]: arrays[4]}, **opts["call"])
+                             **{opts["gate_name"]: arrays[4]}, **opts["call"],
+                             checkpoints=ctx.ckpt)
         dq, dk, dv, dbeta, dgate, dS0 = (torch.from_numpy(np.ascontiguousarray(g)) for g in grads)
         return dq, dk, dv, dbeta, dgate, (None if initial_state is None else dS0), None
 

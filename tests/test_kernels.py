@@ -214,3 +214,71 @@ def test_wait_policy_set_for_the_extension_only(user):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(user)
+
+
+HANDOVER_CASES = {   # name: (inputs' shape and gate, call keywords)
+    "scalar gate": (dict(T=130), {}),
+    "per-key gate, q/k norm": (dict(T=70, per_key=True), dict(normalize_qk=True)),
+    "grouped heads": (dict(T=65, H=1, HV=3), {}),
+    "packed, lengths 0 and 1": (dict(T=68, B=1), dict(cu_seqlens=[0, 1, 1, 67, 68])),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", sorted(HANDOVER_CASES))
+def test_forward_hands_its_checkpoints_to_the_backward(case, dtype):
+    """gated_delta_rule(return_checkpoints=True) then gated_delta_rule_backward(checkpoints=):
+    the same gradients, bit for bit, as the backward's own checkpoint pass, on 1 and 3 threads."""
+    shape, kw = HANDOVER_CASES[case]
+    T, B, H = shape["T"], shape.get("B", 2), shape.get("H", 2)
+    HV, Dk, Dv = shape.get("HV", H), 20, 36
+    rng = np.random.default_rng(84)
+    q = rng.standard_normal((B, T, H, Dk)).astype(dtype)
+    k = rng.standard_normal((B, T, H, Dk))
+    k = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype)
+    v = rng.standard_normal((B, T, HV, Dv)).astype(dtype)
+    gate = rng.uniform(0.5, 1, (B, T, HV, Dk) if shape.get("per_key") else (B, T, HV))
+    nstates = len(kw["cu_seqlens"]) - 1 if "cu_seqlens" in kw else B
+    S0 = rng.standard_normal((nstates, HV, Dv, Dk)).astype(dtype)
+    common = dict(beta=rng.uniform(0.1, 0.9, (B, T, HV)).astype(dtype), g=np.log(gate).astype(dtype),
+                  initial_state=S0, **kw)
+    for nt in (1, 3):
+        o, S, ck = gdn_ext.gated_delta_rule(q, k, v, **common, num_threads=nt,
+                                            return_checkpoints=True)
+        o2, S2 = gdn_ext.gated_delta_rule(q, k, v, **common, num_threads=nt)
+        np.testing.assert_array_equal(o, o2)
+        np.testing.assert_array_equal(S, S2)
+        longest = max(np.diff(kw["cu_seqlens"])) if "cu_seqlens" in kw else T
+        assert ck.shape == S0.shape[:-2] + (gdn_ext.checkpoint_count(longest), Dv, Dk)
+        do = rng.standard_normal(o.shape).astype(dtype)
+        dS = rng.standard_normal(S.shape).astype(dtype)
+        own = gdn_ext.gated_delta_rule_backward(do, q, k, v, **common, dS_T=dS, num_threads=nt)
+        handed = gdn_ext.gated_delta_rule_backward(do, q, k, v, **common, dS_T=dS,
+                                                   num_threads=nt, checkpoints=ck)
+        for name, a, b in zip(own._fields, own, handed):
+            np.testing.assert_array_equal(b, a, err_msg=name)
+
+
+def test_checkpoints_that_do_not_fit_are_refused():
+    rng = np.random.default_rng(85)
+    q = rng.standard_normal((1, 50, 2, 8))
+    kw = dict(beta=np.full((1, 50, 2), 0.5), alpha=np.full((1, 50, 2), 0.9))
+    S0 = rng.standard_normal((1, 2, 8, 8))
+    _, _, ck = gdn_ext.gated_delta_rule(q, q, q, **kw, initial_state=S0, return_checkpoints=True)
+    do = np.ones((1, 50, 2, 8))
+    with pytest.raises(ValueError, match=r"checkpoints must have shape .*NCK, Dv, Dk\] .* = \[1, 2, 7, 8, 8\]"):
+        gdn_ext.gated_delta_rule_backward(do, q, q, q, **kw, initial_state=S0,
+                                          checkpoints=ck[:, :, :-1])
+    with pytest.raises(ValueError, match="do not start from initial_state"):
+        gdn_ext.gated_delta_rule_backward(do, q, q, q, **kw, initial_state=S0 + 1, checkpoints=ck)
+    with pytest.raises(ValueError, match="do not start from initial_state"):
+        gdn_ext.gated_delta_rule_backward(do, q, q, q, **kw, checkpoints=ck)   # S0 = zeros
+    with pytest.raises(TypeError, match="return_checkpoints must be a bool"):
+        gdn_ext.gated_delta_rule(q, q, q, **kw, return_checkpoints=1)
+    # the raw ufunc checks the count too
+    U = gdn_ext._core
+    qv = q.transpose(0, 2, 1, 3)
+    few = np.zeros((1, 2, 3, 8, 8))
+    with pytest.raises(ValueError, match="checkpoints: need 7 along their axis c"):
+        U.gated_delta_rule_fwd_ckpt(qv, qv, qv, np.full((1, 2, 50), 0.9), np.full((1, 2, 50), 0.5),
+                                    S0, 1.0, out=(np.empty((1, 2, 50, 8)), np.empty_like(S0), few))
