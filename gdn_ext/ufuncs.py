@@ -29,6 +29,17 @@
     ``dq, dk, dv, dalpha, dbeta, dS_0 = gated_delta_rule_general_bwd(do, q, k, v, alpha, beta,
     S_0, dS_T, scale, normalize_qk, cu_seqlens)``, dalpha per key channel ``[..., T, Dk]``.
 
+``gated_delta_rule_fwd_ckpt``, ``gated_delta_rule_general_fwd_ckpt``
+    The forwards with one more output, the checkpoints ``[..., c, Dv, Dk]`` (general:
+    ``[..., n, c, Dv, Dk]``): the states before steps 0, C, 2C, ... of each sequence,
+    ``C = checkpoint_interval(T)``, ``c >= checkpoint_count(T)`` of the longest sequence. Pass it
+    with ``out=`` (c is not an input dimension).
+
+``gated_delta_rule_bwd_ckpt``, ``gated_delta_rule_general_bwd_ckpt``
+    The backwards with the checkpoints as one more input, after ``scale`` (general: after
+    ``cu_seqlens``): they skip their own checkpoint pass and trust the checkpoints to come from a
+    forward over the same inputs (``gdn_ext.gated_delta_rule_backward`` checks what it can).
+
 Grouped value heads need no ufunc of their own: broadcast q and k over the value heads of a
 group (a stride-0 view, no copy) and sum dq, dk over the group afterwards.
 
@@ -46,8 +57,11 @@ what the signature implies: ``gdn_ext.gated_delta_rule`` is the checked, documen
 Math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule",
 ICLR 2025 (arXiv:2412.06464).
 """
-from ._core import (gated_delta_rule_bwd, gated_delta_rule_fwd, gated_delta_rule_general_bwd,
-                    gated_delta_rule_general_fwd)
+from ._core import (gated_delta_rule_bwd, gated_delta_rule_bwd_ckpt, gated_delta_rule_fwd,
+                    gated_delta_rule_fwd_ckpt, gated_delta_rule_general_bwd,
+                    gated_delta_rule_general_bwd_ckpt, gated_delta_rule_general_fwd,
+                    gated_delta_rule_general_fwd_ckpt)
 
 __all__ = ["gated_delta_rule_fwd", "gated_delta_rule_bwd", "gated_delta_rule_general_fwd",
-           "gated_delta_rule_general_bwd"]
+           "gated_delta_rule_general_bwd", "gated_delta_rule_fwd_ckpt", "gated_delta_rule_bwd_ckpt",
+           "gated_delta_rule_general_fwd_ckpt", "gated_delta_rule_general_bwd_ckpt"]
