@@ -11,7 +11,15 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#pragma GCC target("avx512f,avx512vl,avx2,fma")
+/* The forward's strips use zmm registers explicitly (GDN_VEC_BYTES); loops that GCC vectorises
+ * itself (the backward's row blocks, Dk long) use ymm: measured faster for those, whose Dk = 64..128
+ * iterations are too few for 16-lane loops with their prologues and reductions. Build with
+ * -DGDN_AVX512_AUTO_WIDTH=512 to compare. */
+#if defined(GDN_AVX512_AUTO_WIDTH) && GDN_AVX512_AUTO_WIDTH == 512
+#pragma GCC target("avx512f,avx512vl,avx2,fma,prefer-vector-width=512")
+#else
+#pragma GCC target("avx512f,avx512vl,avx2,fma,prefer-vector-width=256")
+#endif
 #define GDN_VEC_BYTES 64   /* one zmm register */
 #define GDN_FWD_NV_MAX 4   /* strip registers: see gdn.h (AVX-512 has 32 of them) */
 #define GDN_ISA avx512
