@@ -103,6 +103,10 @@ static int check_ckpt_count(ptrdiff_t have, ptrdiff_t max_len)
     return -1;
 }
 
+/* Threads for a call over `items` work items: this OS thread's request (call_threads), else
+ * OpenMP's default under the busy-machine cap (gdn_capped_threads). */
+#define TEAM(items) gdn_capped_threads(gdn_threads_for(items, call_threads), call_threads)
+
 /* Runs the kernel over nt threads' workspace of len elements each; NULL workspace: error set. */
 #define RUN_WITH_WORKSPACE(REAL, nt, len, call)                                                  \
     do {                                                                                         \
@@ -144,7 +148,7 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     if (ck && check_ckpt_count(dims[4], sz.T) < 0) return;                                       \
     const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
     const REAL no = 0;                                                                           \
-    const int nt = gdn_threads_for(gdn_fwd_items(sz.N, sz.Dv), call_threads);                    \
+    const int nt = TEAM(gdn_fwd_items(sz.N, sz.Dv));                                           \
     RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(sz.T, sz.Dk, sz.Dv),                      \
         gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
                           (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
@@ -185,7 +189,7 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
     if (ck && check_ckpt_count(dims[6], max_len) < 0) return;                                    \
     const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[2],              \
                           .Dv = dims[3], .max_len = max_len, .dalpha_summed = 0};                \
-    const int nt = gdn_threads_for(gdn_fwd_items(sz.N * sz.NS, sz.Dv), call_threads);            \
+    const int nt = TEAM(gdn_fwd_items(sz.N * sz.NS, sz.Dv));                                   \
     RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv),                   \
         gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
                           (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
@@ -239,7 +243,7 @@ static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     if (ck && check_ckpt_count(dims[4], sz.T) < 0) return;                                       \
     const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
     const REAL no = 0;                                                                           \
-    const int nt = gdn_threads_for(gdn_bwd_items(sz.N, sz.Dv), call_threads);                    \
+    const int nt = TEAM(gdn_bwd_items(sz.N, sz.Dv));                                           \
     RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv),                      \
         gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
                            (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
@@ -293,7 +297,7 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
     if (ck && check_ckpt_count(dims[6], max_len) < 0) return;                                    \
     const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[3],              \
                           .Dv = dims[2], .max_len = max_len, .dalpha_summed = 0};                \
-    const int nt = gdn_threads_for(gdn_bwd_items(sz.N * sz.NS, sz.Dv), call_threads);            \
+    const int nt = TEAM(gdn_bwd_items(sz.N * sz.NS, sz.Dv));                                   \
     RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv),                   \
         gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
                            (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
@@ -474,7 +478,20 @@ static PyObject *py_fma_peak(PyObject *self, PyObject *args)
     return PyFloat_FromDouble(r);
 }
 
+static PyObject *py_busy_cap(PyObject *self, PyObject *args)
+{
+    /* _busy_cap() -> cap; _busy_cap(nt, late, total) reports a call first (for tests) */
+    int nt = 0;
+    double late = 0, total = 0;
+    if (!PyArg_ParseTuple(args, "|idd", &nt, &late, &total)) return NULL;
+    if (nt > 0) gdn_note_team(nt, late, total);
+    return PyLong_FromLong(gdn_default_thread_cap());
+}
+
 static PyMethodDef methods[] = {
+    {"_busy_cap", py_busy_cap, METH_VARARGS,
+     "_busy_cap([nt, late_s, total_s]) -> the cap on default threads (0: none), after reporting\n"
+     "a call whose last of nt threads started late_s after its start and which took total_s."},
     {"fma_peak", py_fma_peak, METH_VARARGS,
      "fma_peak(float64: bool, threads: int, seconds=0.2) -> GFLOP/s: the multiply-add ceiling of\n"
      "the kernels' instruction set (isa()) on `threads` threads (0: OpenMP's default), from\n"

@@ -148,6 +148,17 @@ int gdn_check_cu_seqlens(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrd
 /* Below this many state elements touched per call (N * T * Dk * Dv) the loop runs serially. */
 #define GDN_PARALLEL_MIN_WORK 65536.0
 int gdn_threads_for(ptrdiff_t n, int num_threads);
+/* A busy machine: after each parallel call the kernels report how late the last of its nt threads
+ * started work (late) against the call's duration (total). When threads keep arriving late (their
+ * cores run other work), default calls (num_threads 0) use fewer threads, halving the cap; when they
+ * arrive on time the cap doubles again, and a capped call now and then probes with twice the cap.
+ * Explicit thread counts are left as asked. Results never depend on the thread count. */
+void gdn_note_team(int nt, double late, double total);
+#define GDN_LATE_S 5e-4   /* seconds: later than an idle thread takes to wake */
+/* nt threads (from gdn_threads_for) under the busy-machine cap when num_threads is 0 (default). */
+int gdn_capped_threads(int nt, int num_threads);
+int gdn_default_thread_cap(void);   /* the current cap, 0 for none */
+int gdn_num_procs(void);
 int gdn_openmp_enabled(void);
 
 /*

@@ -135,6 +135,51 @@ int gdn_check_cu_seqlens(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrd
     return 0;
 }
 
+/* 0: no cap; read and written with OpenMP atomics (calls may come from several Python threads) */
+static int busy_cap = 0;
+static unsigned busy_calls = 0;
+
+int gdn_default_thread_cap(void)
+{
+    int cap;
+#ifdef _OPENMP
+    #pragma omp atomic read
+#endif
+    cap = busy_cap;
+    return cap;
+}
+
+void gdn_note_team(int nt, double late, double total)
+{
+    if (nt < 2 || !(total > 0)) return;
+    int cap = gdn_default_thread_cap();
+    /* a quarter of the call waiting for a thread, and longer than waking an idle one takes:
+     * their cores run other work */
+    if (late > 0.25 * total && late > GDN_LATE_S)
+        cap = nt / 2 > 1 ? nt / 2 : 1;
+    else if (late < 0.05 * total && cap != 0 && nt >= cap)   /* on time at the cap: grow */
+        cap = 2 * cap >= gdn_num_procs() ? 0 : 2 * cap;
+    else
+        return;
+#ifdef _OPENMP
+    #pragma omp atomic write
+#endif
+    busy_cap = cap;
+}
+
+int gdn_capped_threads(int nt, int num_threads)
+{
+    if (num_threads > 0) return nt;   /* asked for: as asked */
+    const int cap = gdn_default_thread_cap();
+    unsigned calls;
+#ifdef _OPENMP
+    #pragma omp atomic capture
+#endif
+    calls = busy_calls++;
+    if (cap > 0 && nt > cap) nt = (calls % 8 == 7) ? 2 * cap : cap;   /* 1 call in 8 probes */
+    return nt;
+}
+
 int gdn_threads_for(ptrdiff_t N, int num_threads)
 {
 #ifdef _OPENMP
@@ -150,6 +195,15 @@ int gdn_threads_for(ptrdiff_t N, int num_threads)
 #endif
     if (N < nt) nt = (int)N;
     return nt < 1 ? 1 : nt;
+}
+
+int gdn_num_procs(void)
+{
+#ifdef _OPENMP
+    return omp_get_num_procs();
+#else
+    return 1;
+#endif
 }
 
 int gdn_openmp_enabled(void)

@@ -282,3 +282,24 @@ def test_checkpoints_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="checkpoints: need 7 along their axis c"):
         U.gated_delta_rule_fwd_ckpt(qv, qv, qv, np.full((1, 2, 50), 0.9), np.full((1, 2, 50), 0.5),
                                     S0, 1.0, out=(np.empty((1, 2, 50, 8)), np.empty_like(S0), few))
+
+
+def test_busy_machine_cap_rule():
+    """Default calls use fewer threads after calls whose threads arrived late (their cores ran
+    other work), and grow back once they arrive on time; waking delays under GDN_LATE_S (0.5 ms)
+    and explicit thread counts are left alone."""
+    cap = gdn_ext._core._busy_cap
+    procs = os.cpu_count()
+    if cap() != 0:                                   # an earlier test left a cap: let it go
+        for _ in range(10):
+            cap(max(cap(), 1), 0.0, 1.0)
+    assert cap() == 0
+    assert cap(16, 0.0004, 0.001) == 0               # late but within an idle thread's wake-up
+    assert cap(16, 0.002, 0.004) == 8                # half of the call waiting: halve
+    assert cap(8, 0.01, 0.02) == 4
+    assert cap(4, 0.01, 0.1) == 4                    # neither late nor on time: keep
+    grown = cap(4, 0.0, 0.1)                         # on time at the cap: double (0 = no cap)
+    assert grown == (0 if 8 >= procs else 8)
+    while cap() != 0:
+        cap(cap(), 0.0, 0.1)
+    assert gdn_ext._core._threads_for(1 << 20) >= 1  # explicit requests bypass the cap entirely
