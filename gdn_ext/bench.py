@@ -396,39 +396,30 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
     return res
 
 
-def _busy(stop):
-    while not stop.is_set():
-        pass
-
-
 def contention(B, T, H, D, threads, repeat, busy=None, log=print):
     """The float32 forward with default threads and with one thread while `busy` processes
     (default: one per CPU) spin on every core: default threads must not be the slower."""
-    import multiprocessing as mp
+    import subprocess
     busy = os.cpu_count() if busy is None else busy
     x = _inputs(B, T, H, D, np.float32)
-    ctx = mp.get_context("spawn")
-    stop = ctx.Event()
-    procs = [ctx.Process(target=_busy, args=(stop,), daemon=True) for _ in range(busy)]
-    for p in procs:
-        p.start()
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 600: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(busy)]
     try:
         time.sleep(0.5)
-        out = {}
-        for n in (threads, 1):
-            fwd, _, _ = _gdn_calls(x, n)
-            out[n] = _timeit(fwd, repeat)
+        t_def = _timeit(_gdn_calls(x, None)[0], repeat)   # default threads (the cap may lower them)
+        t_one = _timeit(_gdn_calls(x, 1)[0], repeat)
+        cap = _core._busy_cap()
     finally:
-        stop.set()
         for p in procs:
-            p.join()
-    gf = {n: 7 * D * D * H * B * T / t / 1e9 for n, t in out.items()}
-    log(f"\ncontention: {busy} busy processes on {os.cpu_count()} CPUs, float32 forward: "
-        f"{threads} threads {1e3 * out[threads]:.2f} ms ({gf[threads]:.1f} GFLOP/s), 1 thread "
-        f"{1e3 * out[1]:.2f} ms ({gf[1]:.1f} GFLOP/s): default / one = "
-        f"{out[threads] / out[1]:.2f} x the time")
-    return dict(busy_processes=busy, threads=threads, forward_s=out[threads],
-                forward_1thread_s=out[1], ratio=out[threads] / out[1])
+            p.kill()
+            p.wait()
+    gf = 7 * D * D * H * B * T / 1e9
+    log(f"\ncontention: {busy} busy processes on {os.cpu_count()} CPUs, float32 forward: default "
+        f"threads ({threads}; busy-machine cap at the end: {cap or 'none'}) {1e3 * t_def:.2f} ms "
+        f"({gf / t_def:.1f} GFLOP/s), 1 thread {1e3 * t_one:.2f} ms ({gf / t_one:.1f} GFLOP/s): "
+        f"default / one = {t_def / t_one:.2f} x the time")
+    return dict(busy_processes=busy, threads=threads, forward_s=t_def, forward_1thread_s=t_one,
+                ratio=t_def / t_one, cap_at_end=cap)
 
 
 def _print_table(table, t_f, t_fb, ceiling, log):
