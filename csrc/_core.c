@@ -103,6 +103,21 @@ static int check_ckpt_count(ptrdiff_t have, ptrdiff_t max_len)
     return -1;
 }
 
+/* The general loops' packing: cu_seqlens [n + 1] (dims[4] = n, dims[5] = m) checked, the longest
+ * sequence in *max_len, and enough checkpoints (dims[6]) when ck; -1 with ValueError set if not. */
+static int check_packed(const char *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, npy_intp const *dims, int ck,
+                        ptrdiff_t *max_len)
+{
+    if (dims[5] != dims[4] + 1) {
+        raise_from_loop(PyExc_ValueError, "cu_seqlens must have one more entry than there are "
+                        "sequences (initial_state's sequence axis)");
+        return -1;
+    }
+    if (check_cu((const int64_t *)cu, cu_n, cu_m, dims[0], dims[4], dims[1], max_len) < 0)
+        return -1;
+    return ck ? check_ckpt_count(dims[6], *max_len) : 0;
+}
+
 /* Threads for a call over `items` work items: this OS thread's request (call_threads), else
  * OpenMP's default under the busy-machine cap (gdn_capped_threads). */
 #define TEAM(items) gdn_capped_threads(gdn_threads_for(items, call_threads), call_threads)
@@ -165,11 +180,6 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
     const size_t is[] = {r, r, r, r, r, r, r, r, sizeof(int64_t), r, r, r};                     \
     const int ck = data != NULL;                                                                 \
     op_strides p[12] = {{0}};                                                                    \
-    if (dims[5] != dims[4] + 1) {                                                                \
-        raise_from_loop(PyExc_ValueError, "cu_seqlens must have one more entry than there are "  \
-                        "sequences (initial_state's sequence axis)");                            \
-        return;                                                                                  \
-    }                                                                                            \
     if (operand_strides(p, steps, nd, is, 11 + ck) < 0) return;                                 \
     const gdn_fwd_strides st = {                                                                 \
         .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
@@ -183,10 +193,7 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         .ck_n = p[CK].n, .ck_s = p[CK].c[0], .ck_c = p[CK].c[1], .ck_v = p[CK].c[2],             \
         .ck_k = p[CK].c[3]};                                                                     \
     ptrdiff_t max_len = 0;                                                                       \
-    if (check_cu((const int64_t *)args[CU], st.cu_n, st.cu_m, dims[0], dims[4], dims[1],         \
-                 &max_len) < 0)                                                                  \
-        return;                                                                                  \
-    if (ck && check_ckpt_count(dims[6], max_len) < 0) return;                                    \
+    if (check_packed(args[CU], st.cu_n, st.cu_m, dims, ck, &max_len) < 0) return;                \
     const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[2],              \
                           .Dv = dims[3], .max_len = max_len, .dalpha_summed = 0};                \
     const int nt = TEAM(gdn_fwd_items(sz.N * sz.NS, sz.Dv));                                   \
@@ -266,11 +273,6 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
     for (int i = 0; i < 6; i++) nd[DQ + i] = out_nd[i];                                          \
     for (int i = 0; i < 18; i++) is[i] = i == CU ? sizeof(int64_t) : sizeof(REAL);               \
     op_strides p[18] = {{0}};                                                                    \
-    if (dims[5] != dims[4] + 1) {                                                                \
-        raise_from_loop(PyExc_ValueError, "cu_seqlens must have one more entry than there are "  \
-                        "sequences (initial_state's sequence axis)");                            \
-        return;                                                                                  \
-    }                                                                                            \
     if (operand_strides(p, steps, nd, is, DS0 + 1) < 0) return;                                 \
     const op_strides none = {0};                                                                 \
     const op_strides *c = ck ? &p[CK] : &none;                                                   \
@@ -291,10 +293,7 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         .ds0_n = p[DS0].n, .ds0_s = p[DS0].c[0], .ds0_v = p[DS0].c[1], .ds0_k = p[DS0].c[2],     \
         .ck_n = c->n, .ck_s = c->c[0], .ck_c = c->c[1], .ck_v = c->c[2], .ck_k = c->c[3]};       \
     ptrdiff_t max_len = 0;                                                                       \
-    if (check_cu((const int64_t *)args[CU], st.cu_n, st.cu_m, dims[0], dims[4], dims[1],         \
-                 &max_len) < 0)                                                                  \
-        return;                                                                                  \
-    if (ck && check_ckpt_count(dims[6], max_len) < 0) return;                                    \
+    if (check_packed(args[CU], st.cu_n, st.cu_m, dims, ck, &max_len) < 0) return;                \
     const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[3],              \
                           .Dv = dims[2], .max_len = max_len, .dalpha_summed = 0};                \
     const int nt = TEAM(gdn_bwd_items(sz.N * sz.NS, sz.Dv));                                   \
