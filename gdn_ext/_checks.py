@@ -8,8 +8,13 @@ import numpy as np
 __all__ = []
 
 
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def as_real_array(x, name):
     """``x`` as an ndarray of a real dtype (bool, int, float); TypeError otherwise."""
+    if type(x) is np.ndarray and x.dtype in _FLOATS:   # the common case, without the checks below
+        return x
     if x is None:
         raise TypeError(f"{name} is required (got None)")
     if isinstance(x, np.ma.MaskedArray):
@@ -77,4 +82,7 @@ def flag(x, name):
 def compute_dtype(arrays):
     """The precision a NumPy ufunc with float32 and float64 loops would pick for these inputs."""
     f32 = np.dtype(np.float32)
-    return f32 if all(np.can_cast(a.dtype, f32, "safe") for a in arrays) else np.dtype(np.float64)
+    dtypes = {a.dtype for a in arrays}
+    if dtypes <= {f32}:
+        return f32
+    return f32 if all(np.can_cast(d, f32, "safe") for d in dtypes) else np.dtype(np.float64)
