@@ -487,15 +487,21 @@ def _checked_ckpt(p, checkpoints, initial_state):
     """The backward's checkpoints= checked (shape; the first one of every non-empty sequence is
     its initial state) and viewed for the _ckpt ufunc."""
     ck = as_real_array(checkpoints, "checkpoints")
+    if ck.dtype != p.dtype:   # a cast would change them: they are the forward's exact states
+        raise TypeError(f"checkpoints must have the computation's dtype {p.dtype} (what "
+                        f"gated_delta_rule returned for these inputs); got {ck.dtype}")
     shape = p.ckpt_shape()
     lay = p.state_layout[:-len("Dv, Dk]")] + "NCK, Dv, Dk]"
     expect_shape(ck, "checkpoints", shape, lay + " (from gated_delta_rule(..., "
                  "return_checkpoints=True) on the same inputs)")
+    if shape[-3] == 0:                              # no tokens: no checkpoints to check
+        return p.ckpt_view(ck)
     nonempty = np.diff(p.cu) > 0                    # per packed sequence (one when not packed)
     first = ck[..., 0, :, :]
     s0 = np.zeros(p.state_shape) if initial_state is None else np.asarray(initial_state)
     mask = nonempty.reshape((-1,) + (1,) * (first.ndim - 1)) if p.packed else True
-    if not np.array_equal(np.where(mask, first, 0), np.where(mask, s0.astype(first.dtype), 0)):
+    if not np.array_equal(np.where(mask, first, 0), np.where(mask, s0.astype(first.dtype), 0),
+                          equal_nan=True):
         raise ValueError("checkpoints do not start from initial_state: they must come from "
                          "gated_delta_rule(..., return_checkpoints=True) on the same inputs")
     return p.ckpt_view(ck)

@@ -45,7 +45,7 @@ class _GatedDeltaRule(torch.autograd.Function):
         s0 = None if initial_state is None else _to_numpy(initial_state, "initial_state")
         # when a gradient will be asked for, keep the forward's checkpoints: the backward then
         # runs the recurrence forward once less (about sqrt(T) states per sequence and head)
-        keep = any(ctx.needs_input_grad)
+        keep = opts["grad"] and any(ctx.needs_input_grad)
         out = _np_forward(*arrays[:3], beta=arrays[3], initial_state=s0,
                           **{opts["gate_name"]: arrays[4]}, **opts["call"],
                           return_checkpoints=keep)
@@ -108,7 +108,7 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
                         + ", ".join(f"{n} {t.dtype}" for n, t in tensors.items()))
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.detach().cpu().numpy()
-    opts = {"gate_name": gate_name,
+    opts = {"gate_name": gate_name, "grad": torch.is_grad_enabled(),
             "call": dict(scale=scale, normalize_qk=normalize_qk, cu_seqlens=cu_seqlens,
                          num_threads=num_threads)}
     o, S_T = _GatedDeltaRule.apply(q, k, v, beta, gate, initial_state, opts)

@@ -303,3 +303,43 @@ def test_busy_machine_cap_rule():
     while cap() != 0:
         cap(max(cap(), 2), 0.0, 0.1)
     assert gdn_ext._core._threads_for(1 << 20) >= 1  # explicit requests bypass the cap entirely
+
+
+def test_checkpoints_edge_cases():
+    """A NaN in the initial state propagates as without checkpoints; T = 0 has none; a dtype other
+    than the computation's is refused (a cast would not give the forward's states)."""
+    rng = np.random.default_rng(86)
+    q = rng.standard_normal((1, 20, 1, 4))
+    kw = dict(beta=np.full((1, 20, 1), 0.5), alpha=np.full((1, 20, 1), 0.9))
+    S0 = rng.standard_normal((1, 1, 4, 4))
+    S0[0, 0, 0, 0] = np.nan
+    o, _, ck = gdn_ext.gated_delta_rule(q, q, q, **kw, initial_state=S0, return_checkpoints=True)
+    with np.errstate(invalid="ignore"):
+        own = gdn_ext.gated_delta_rule_backward(np.ones_like(o), q, q, q, **kw, initial_state=S0)
+        handed = gdn_ext.gated_delta_rule_backward(np.ones_like(o), q, q, q, **kw,
+                                                   initial_state=S0, checkpoints=ck)
+    for a, b in zip(own, handed):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match="checkpoints must have the computation's dtype float64"):
+        gdn_ext.gated_delta_rule_backward(np.ones_like(o), q, q, q, **kw, initial_state=S0,
+                                          checkpoints=ck.astype(np.float32))
+    z = np.zeros((1, 0, 1, 4))
+    zkw = dict(beta=np.zeros((1, 0, 1)), alpha=np.zeros((1, 0, 1)))
+    o, S, ck = gdn_ext.gated_delta_rule(z, z, z, **zkw, return_checkpoints=True)
+    assert ck.shape == (1, 1, 0, 4, 4)
+    g = gdn_ext.gated_delta_rule_backward(z, z, z, z, **zkw, checkpoints=ck)
+    np.testing.assert_array_equal(g.d_initial_state, 0)
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+def test_no_value_rows_gives_zero_gradients(per_key):
+    """Dv = 0: nothing is read out, so every gradient is exactly zero (not uninitialised memory)."""
+    rng = np.random.default_rng(87)
+    q = rng.standard_normal((1, 70, 2, 4))
+    v = np.zeros((1, 70, 2, 0))
+    a = rng.uniform(0.5, 1, (1, 70, 2, 4) if per_key else (1, 70, 2))
+    for nt in (1, 3):
+        g = gdn_ext.gated_delta_rule_backward(v, q, q, v, beta=np.full((1, 70, 2), 0.5), alpha=a,
+                                              num_threads=nt)
+        for name, x in zip(g._fields, g):
+            np.testing.assert_array_equal(x, 0, err_msg=name)
