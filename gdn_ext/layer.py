@@ -20,13 +20,12 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ._checks import as_real_array, expect_shape, flag, fmt
+from ._constants import L2_EPS, RMS_EPS
+from ._results import LayerStepResult
 from .recurrence import gated_delta_rule, gated_delta_rule_backward, gated_delta_rule_step
 
 __all__ = ["GatedDeltaNetParams", "rmsnorm", "rmsnorm_backward", "l2norm", "l2norm_backward",
            "gated_deltanet_forward", "gated_deltanet_backward", "gated_deltanet_step"]
-
-RMS_EPS = 1e-6   # rmsnorm: w * x / sqrt(mean(x^2) + eps)
-L2_EPS = 1e-6    # l2norm:  x / sqrt(sum(x^2) + eps), eps inside the root (flash-linear-attention)
 
 
 @dataclass(repr=False)
@@ -316,4 +315,5 @@ def gated_deltanet_step(x_t, S, params, *, normalize_qk=False, scale=1.0, num_th
     o, S_new = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta=eta[:, 0],
                                      alpha=gate[:, 0], state=S, scale=scale,
                                      num_threads=num_threads)
-    return x_t + o.reshape(x_t.shape[0], params.n_heads * params.d_value) @ params.Wo, S_new
+    return LayerStepResult(x_t + o.reshape(x_t.shape[0], params.n_heads * params.d_value) @ params.Wo,
+                           S_new)

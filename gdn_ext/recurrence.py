@@ -3,28 +3,15 @@
 Math (README, "The recurrence" and "The backward pass"): S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving
 Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 """
-from collections import namedtuple
-
 import numpy as np
 
 from . import _core
 from ._checks import (as_real_array, compute_dtype, expect_shape, flag, real_scalar,
                       thread_count)
+from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, StepResult
 
 __all__ = ["gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
            "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count"]
-
-GatedDeltaRuleGrads = namedtuple("GatedDeltaRuleGrads",
-                                 ["dq", "dk", "dv", "dbeta", "dalpha", "d_initial_state"])
-GatedDeltaRuleGrads.__doc__ = """Gradients of gated_delta_rule when the gate was given as alpha.
-Each field has the shape of its input (d_initial_state: of the state) and the dtype the
-computation ran in (float32 or float64)."""
-GatedDeltaRuleGradsG = namedtuple("GatedDeltaRuleGradsG",
-                                  ["dq", "dk", "dv", "dbeta", "dg", "d_initial_state"])
-GatedDeltaRuleGradsG.__doc__ = """Gradients of gated_delta_rule when the gate was given as log
-decay g (dg = alpha * dalpha). Each field has the shape of its input and the dtype the
-computation ran in (float32 or float64)."""
-
 
 def openmp_enabled():
     """Whether this build runs the (sequence, head) loop in parallel with OpenMP.
@@ -559,7 +546,7 @@ def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, sca
     p = _Problem(q_t, k_t, v_t, beta, alpha, g, state, scale, normalize_qk, step=True)
     if not inplace:
         o, S_T = _forward(p, nt)
-        return p.user_seq(o)[:, 0], S_T
+        return StepResult(p.user_seq(o)[:, 0], S_T)
     if not isinstance(state, np.ndarray):
         raise ValueError("inplace=True needs state to be an ndarray (to write S_t into); got "
                          + ("None" if state is None else type(state).__name__))
@@ -573,4 +560,4 @@ def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, sca
     ufunc = _core.gated_delta_rule_general_fwd if p.general else _core.gated_delta_rule_fwd
     _call(ufunc, (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args(),
           (o_k, p.state_view(state)), nt)
-    return p.user_seq(o)[:, 0], state
+    return StepResult(p.user_seq(o)[:, 0], state)

@@ -17,12 +17,12 @@ Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 """
 import numpy as np
 
-from .recurrence import GatedDeltaRuleGrads, GatedDeltaRuleGradsG
+# only pure-Python siblings: the oracle must import when the compiled module is missing or broken
+from ._constants import L2_EPS
+from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG
 
 __all__ = ["batch_matvec", "batch_outer", "gate_memory", "l2norm", "gated_delta_rule",
            "gated_delta_rule_backward"]
-
-L2_EPS = 1e-6
 
 
 def batch_matvec(S, x):

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from gdn_ext import bench
+from gdn_ext.apps import bench
 
 
 def test_bench_quick_writes_json_and_plot(tmp_path, capsys):

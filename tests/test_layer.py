@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gdn_ext
-from gdn_ext import check
+from gdn_ext.apps import check
 from gdn_ext.layer import GatedDeltaNetParams
 from helpers import assert_rel_close, make_inputs, split
 

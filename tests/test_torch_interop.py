@@ -255,7 +255,7 @@ def test_fused_recurrent_per_key_decay_and_defaults():
 # ---- a real model: tiny Qwen3-Next ------------------------------------------------------------
 
 def tiny_qwen3_next(dtype):
-    from gdn_ext.bench_qwen3_next import tiny_qwen3_next as make
+    from gdn_ext.apps.bench_qwen3_next import tiny_qwen3_next as make
     torch.manual_seed(0)
     return make(dtype=dtype)
 
@@ -286,7 +286,7 @@ def test_qwen3_next_swap_same_logits_and_gradients(dtype):
         tol = dict(rtol=1e-3, atol=2e-4)    # decay gradients sum many float32 terms
     with patch:
         logits_t, grads_t = _logits_and_grads(model, ids)
-    with gt.patch_transformers(), mock.patch.object(gt, "_fla_call", wraps=gt._fla_call) as spy:
+    with gt.patch_transformers(), mock.patch.object(gt.fla, "_fla_call", wraps=gt.fla._fla_call) as spy:
         logits_g, grads_g = _logits_and_grads(model, ids)
     assert spy.call_count == 1                     # the one linear-attention layer ran gdn_ext
     torch.testing.assert_close(logits_g, logits_t, **tol)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from gdn_ext import lm, train
+from gdn_ext.apps import lm, train
 
 
 def test_loss_falls_on_a_tiny_run():

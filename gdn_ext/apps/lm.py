@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layer import (GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward,
+from ..layer import (GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward,
                     gated_deltanet_step, rmsnorm, rmsnorm_backward)
 
 __all__ = ["load_text", "CharVocab", "CharLM", "Adam", "unigram_baseline", "cross_entropy"]

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from .layer import GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward
+from ..layer import GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward
 
 __all__ = ["torch_gated_deltanet_forward", "layer_gradients", "finite_difference_gradients",
            "torch_gradients", "run", "main"]
@@ -29,7 +29,7 @@ def torch_gated_deltanet_forward(x, S, params, normalize_qk=False, scale=1.0):
     GatedDeltaNetParams. Returns (y, S_T)."""
     import torch
 
-    from .torch import reference_gated_delta_rule
+    from ..torch import reference_gated_delta_rule
 
     def rmsnorm(x, w, eps=1e-6):
         return w * x / torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)

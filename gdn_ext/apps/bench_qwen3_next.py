@@ -1,4 +1,4 @@
-"""``python -m gdn_ext.bench_qwen3_next``: a Qwen3-Next model's forward + backward on the CPU with
+"""``python -m gdn_ext bench-qwen3-next``: a Qwen3-Next model's forward + backward on the CPU with
 transformers' pure-torch gated delta rule versus gdn_ext's (:func:`gdn_ext.torch.patch_transformers`).
 
 Builds a small randomly initialised Qwen3-Next (no download; needs transformers and torch), checks
@@ -35,8 +35,8 @@ def main(argv=None):
     import torch
     from transformers.utils import logging as hf_logging
 
-    from .torch import patch_transformers
-    ap = argparse.ArgumentParser(prog="python -m gdn_ext.bench_qwen3_next", description=__doc__)
+    from ..torch import patch_transformers
+    ap = argparse.ArgumentParser(prog="python -m gdn_ext bench-qwen3-next", description=__doc__)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--hidden", type=int, default=256)

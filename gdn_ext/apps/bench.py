@@ -1,4 +1,4 @@
-"""``python -m gdn_ext.bench``: gdn_ext's speed next to its peers, in one process, on the same inputs
+"""``python -m gdn_ext bench``: gdn_ext's speed next to its peers, in one process, on the same inputs
 and the same number of threads.
 
 Rows (median of ``--repeat`` runs after one warm-up):
@@ -217,7 +217,7 @@ def thread_scaling(B=4, T=2048, H=16, D=128, thread_counts=(1, 2, 4, 8, 16), rep
     o, S_T = np.empty((B * H, T, D), np.float32), np.empty_like(S0)
     grads = [np.empty_like(kx["q"]), np.empty_like(kx["k"]), np.empty_like(kx["v"]),
              np.empty_like(alpha), np.empty_like(alpha), np.empty_like(S0)]
-    from . import ufuncs
+    from .. import ufuncs
 
     def kernel_fwd():
         ufuncs.gated_delta_rule_fwd(kx["q"], kx["k"], kx["v"], alpha, kx["beta"], S0, 1.0,
@@ -469,8 +469,8 @@ def plot(res, path):
 
 
 def main(argv=None):
-    """Command line of ``python -m gdn_ext.bench`` (see the module docstring); returns 0."""
-    ap = argparse.ArgumentParser(prog="python -m gdn_ext.bench", description=__doc__,
+    """Command line of ``python -m gdn_ext bench`` (see the module docstring); returns 0."""
+    ap = argparse.ArgumentParser(prog="python -m gdn_ext bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)

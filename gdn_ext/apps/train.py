@@ -135,7 +135,7 @@ def main(argv=None):
     """Command line of the main job (see the module docstring); returns the exit status:
     0 when the model ends below the unigram baseline, 1 otherwise."""
     ap = argparse.ArgumentParser(
-        prog="python -m gdn_ext", description=__doc__,
+        prog="python -m gdn_ext [train]", description=__doc__,
         epilog="Other commands: 'python -m gdn_ext check' (gradient check of the layer), "
                "'python -m gdn_ext demo' (forward/backward timing on random inputs).")
     ap.add_argument("--steps", type=_positive, default=800, help="training steps (default 800)")

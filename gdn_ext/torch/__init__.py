@@ -1,0 +1,25 @@
+"""PyTorch interop: the C kernels as a ``torch.autograd.Function``, a plain-torch reference, and
+drop-ins for flash-linear-attention's gated-delta-rule functions on the CPU.
+
+    import gdn_ext.torch as gt
+    o, S_T = gt.gated_delta_rule(q, k, v, beta=beta, g=g)          # autograd through C kernels
+    o, ht = gt.chunk_gated_delta_rule(q, k, v, g, beta)              # flash-linear-attention API
+
+torch is imported by this module only; ``import gdn_ext`` never needs it.
+
+Conventions: :func:`gated_delta_rule` uses gdn_ext's (state ``[.., Dv, Dk]``, scale default 1);
+:func:`chunk_gated_delta_rule` and :func:`fused_recurrent_gated_delta_rule` use
+flash-linear-attention's and transformers' (state ``[N, HV, K, V]``, log decay ``g``, scale default
+``K ** -0.5``). Source of the math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks:
+Improving Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
+
+Modules: ``function`` (the autograd Function), ``reference`` (the torch loop), ``fla`` (the
+flash-linear-attention drop-ins), ``transformers`` (the transformers patch).
+"""
+from .fla import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from .function import gated_delta_rule
+from .reference import reference_gated_delta_rule
+from .transformers import patch_transformers
+
+__all__ = ["gated_delta_rule", "reference_gated_delta_rule", "chunk_gated_delta_rule",
+           "fused_recurrent_gated_delta_rule", "patch_transformers"]
