@@ -511,17 +511,14 @@ static PyMethodDef methods[] = {
      "bwd_workspace_len(T, Dk, Dv) -> elements of backward workspace per thread."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "gdn_ext._core",
-    "C kernels of gdn_ext: the gated delta rule as NumPy generalized ufuncs.", -1, methods};
-
-PyMODINIT_FUNC PyInit__core(void)
+/* Multi-phase initialisation (PEP 489): PyInit returns the definition and core_exec fills the
+ * module. Module-level C state is shared safely between Python threads: the per-call thread
+ * request is thread-local, the busy-machine cap is read and written atomically, and the
+ * instruction set is chosen once (gdn_init is idempotent). */
+static int core_exec(PyObject *m)
 {
-    import_array();
-    import_umath();
+    if (_import_array() < 0 || _import_umath() < 0) return -1;
     gdn_init();
-    PyObject *m = PyModule_Create(&moduledef);
-    if (m == NULL) return NULL;
     for (size_t i = 0; i < sizeof(gufuncs) / sizeof(gufuncs[0]); i++) {
         const gufunc_descriptor *d = &gufuncs[i];
         PyObject *f = PyUFunc_FromFuncAndDataAndSignature(
@@ -530,9 +527,29 @@ PyMODINIT_FUNC PyInit__core(void)
             0, d->signature);
         if (f == NULL || PyModule_AddObject(m, d->name, f) < 0) {
             Py_XDECREF(f);
-            Py_DECREF(m);
-            return NULL;
+            return -1;
         }
     }
-    return m;
+    /* the build's copy of gdn_ext/_constants.py's L2_EPS (setup.py passes it), for a test */
+    PyObject *eps = PyFloat_FromDouble(GDN_L2_EPS);
+    if (eps == NULL || PyModule_AddObject(m, "L2_EPS", eps) < 0) {
+        Py_XDECREF(eps);
+        return -1;
+    }
+    return 0;
 }
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, (void *)core_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    /* NumPy itself loads in the main interpreter only */
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+    {0, NULL}};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, .m_name = "gdn_ext._core",
+    .m_doc = "C kernels of gdn_ext: the gated delta rule as NumPy generalized ufuncs.",
+    .m_size = 0, .m_methods = methods, .m_slots = slots};
+
+PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&moduledef); }

@@ -11,6 +11,7 @@ entry points, and the design note's layer (gdn_ext.layer) with its backward and 
 Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
 Rule", ICLR 2025 (arXiv:2412.06464).
 """
+import importlib as _importlib
 import os as _os
 
 __version__ = "0.1.0"   # the one place: pyproject.toml reads it from here
@@ -40,15 +41,18 @@ _set_policy = "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _
 if _set_policy:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 try:
-    from . import _core  # noqa: F401  (loads the OpenMP runtime)
+    # (import_module: a missing module is reported as missing, not as a circular import)
+    _core = _importlib.import_module(__name__ + "._core")  # loads the OpenMP runtime
 except ImportError as _exc:
     # Not built (a source checkout) or broken: gdn_ext.reference still works; the names that
     # need the kernels raise this, saying what to do.
+    _why = ("is not built" if isinstance(_exc, ModuleNotFoundError)
+            else f"could not be loaded ({_exc})")
     _CORE_ERROR = ImportError(
-        f"gdn_ext's compiled module gdn_ext._core could not be imported ({_exc}). In a source "
-        f"checkout, build it first: `pip install -e .` (or `python setup.py build_ext "
-        f"--inplace`), which needs a C compiler (README, Install); or run from outside the "
-        f"source folder so that an installed gdn_ext is found. gdn_ext.reference works without it.")
+        f"gdn_ext's compiled module gdn_ext._core {_why}. In a source checkout, build it "
+        f"first: `pip install -e .` (or `python setup.py build_ext --inplace`), which needs a C "
+        f"compiler (README, Install); or run from outside the source folder so that an installed "
+        f"gdn_ext is found. gdn_ext.reference works without it.")
     _CORE_ERROR.__cause__ = _exc
 else:
     _CORE_ERROR = None

@@ -6,12 +6,13 @@ Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 import numpy as np
 
 from . import _core
-from ._checks import (as_real_array, compute_dtype, expect_shape, flag, real_scalar,
-                      thread_count)
+from ._checks import as_real_array, expect_shape, flag, thread_count
+from ._problem import _Problem
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, StepResult
 
 __all__ = ["gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
-           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count"]
+           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count", "StepResult"]
+
 
 def openmp_enabled():
     """Whether this build runs the (sequence, head) loop in parallel with OpenMP.
@@ -27,214 +28,6 @@ def checkpoint_interval(T):
     (the checkpoints and dL/dS_t), plus one segment of C states of a strip of 16 value rows per
     thread."""
     return int(_core.checkpoint_interval(int(T)))
-
-
-class _Problem:
-    """Inputs checked, then viewed in the kernels' layout (no copies).
-
-    Loop dimensions are (B, H, G): batch, query/key head, value head within its group
-    (HV = H * G value heads; value head hv reads query/key head hv // G). Time comes next. The
-    plain case (scalar gate, no normalisation, not packed) runs the scalar-gate ufunc pair; the rest
-    runs the general pair, whose states carry a sequence axis NS (1 unless packed).
-    ``step=True`` checks the one-token shapes of gated_delta_rule_step instead (no T axis)."""
-
-    def __init__(self, q, k, v, beta, alpha, g, initial_state, scale, normalize_qk=False,
-                 cu_seqlens=None, extra=(), step=False):
-        sfx = "_t" if step else ""
-        nq, nk, nv = "q" + sfx, "k" + sfx, "v" + sfx
-        st_name = "state" if step else "initial_state"
-
-        def lay(*dims):
-            return "[" + ", ".join(d for d in dims if not (step and d == "T")) + "]"
-
-        q = as_real_array(q, nq)
-        if step and q.ndim not in (2, 3):
-            raise ValueError(f"{nq} must have shape [B, H, Dk] (or [B, Dk], the single-head form); "
-                             f"got shape {list(q.shape)}")
-        if step:
-            q = q[:, None]
-        if q.ndim == 4:
-            self.single_head = False
-        elif q.ndim == 3:
-            self.single_head = True
-        else:
-            raise ValueError(f"{nq} must have shape {lay('B', 'T', 'H', 'Dk')} (or "
-                             f"{lay('B', 'T', 'Dk')}, the single-head form); got shape "
-                             f"{list(q.shape)}")
-        sh = self.single_head
-        k = as_real_array(k, nk)
-        v = as_real_array(v, nv)
-        beta = as_real_array(beta, "beta")
-        if step:
-            k, v, beta = k[:, None], v[:, None], beta[:, None]
-        if (alpha is None) == (g is None):
-            raise ValueError("give exactly one of alpha (decay in [0, 1]) and g (log decay, "
-                             "alpha = exp(g)); got " + ("both" if alpha is not None else "neither"))
-        self.gate_name = "alpha" if alpha is not None else "g"
-        gate = as_real_array(alpha if alpha is not None else g, self.gate_name)
-        if step:
-            gate = gate[:, None]
-        s0 = None if initial_state is None else as_real_array(initial_state, st_name)
-        self.scale = real_scalar(scale, "scale")
-        self.normalize_qk = flag(normalize_qk, "normalize_qk")
-
-        def user(shape):    # a shape as the user sees it (no T axis for the step API)
-            return list(shape[:1]) + list(shape[2:]) if step else list(shape)
-
-        if sh:  # the design note's single-head form is H = HV = 1
-            q, k, v = q[:, :, None], k[:, :, None], v[:, :, None]
-        B, T, H, Dk = q.shape
-        q_lay = lay("B", "T", "Dk") if sh else lay("B", "T", "H", "Dk")
-        q_user = user(q.shape[:2] + q.shape[3:] if sh else q.shape)
-        if k.shape != q.shape:
-            raise ValueError(f"{nk} must have shape {q_lay} (the shape of {nq}) = {q_user}; got "
-                             f"{user(k.shape[:2] + k.shape[3:] if sh else k.shape)}")
-        v_user = user(v.shape[:2] + v.shape[3:] if sh else v.shape)
-        if v.ndim != 4 or v.shape[:2] != (B, T) or (sh and v.shape[2] != 1):
-            want = user([B, T, "Dv"] if sh else [B, T, H, "Dv"])
-            raise ValueError(f"{nv} must have shape "
-                             f"{lay('B', 'T', 'Dv') if sh else lay('B', 'T', 'H', 'Dv')} = "
-                             f"[{', '.join(map(str, want))}]; got {v_user}")
-        if (v.shape[2] % H if H else v.shape[2]):
-            want = ", ".join(map(str, user([B, T, H, "Dv"])))
-            raise ValueError(f"{nv} must have shape {lay('B', 'T', 'H', 'Dv')} = [{want}], or "
-                             f"{lay('B', 'T', 'HV', 'Dv')} "
-                             f"with HV a multiple of H = {H} (grouped value heads: value head hv "
-                             f"reads query/key head hv // (HV / H)); got {v_user}")
-        HV, Dv = v.shape[2], v.shape[3]
-        G = HV // H if H else 1      # no heads at all: nothing to compute
-        heads = "" if sh else "HV" if HV != H else "H"
-
-        # gate and beta: [B, T, HV] (single head: [B, T] or [B, T, 1]); gate also [B, T, HV, Dk]
-        self.gate_shape, self.beta_shape = gate.shape, beta.shape
-        scalar_shapes = {(B, T), (B, T, 1)} if sh else {(B, T, HV)}
-        key_shape = (B, T, Dk) if sh else (B, T, HV, Dk)
-        if beta.shape not in scalar_shapes:
-            raise ValueError(f"beta must have shape "
-                             f"{lay('B', 'T') + ' or ' + lay('B', 'T', '1') if sh else lay('B', 'T', heads)}"
-                             f" = {user((B, T) if sh else (B, T, HV))}; got {user(beta.shape)}")
-        self.per_key = gate.shape == key_shape and gate.shape not in scalar_shapes
-        if gate.shape not in scalar_shapes and not self.per_key:
-            scal = lay("B", "T") + " or " + lay("B", "T", "1") if sh else lay("B", "T", heads)
-            per = lay("B", "T", "Dk") if sh else lay("B", "T", heads, "Dk")
-            raise ValueError(f"{self.gate_name} must have shape {scal} = "
-                             f"{user((B, T) if sh else (B, T, HV))} (one gate per head) or {per} = "
-                             f"{user(key_shape)} (one per key channel); got {user(gate.shape)}")
-
-        # packed sequences
-        if cu_seqlens is not None:
-            cu = np.asarray(cu_seqlens)
-            if cu.ndim != 1 or cu.size < 2:
-                raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got "
-                                 f"{list(cu.shape)}")
-            if cu.dtype.kind not in "iu":
-                raise TypeError(f"cu_seqlens must be an integer array [N + 1]; got dtype {cu.dtype}")
-            if B != 1:
-                raise ValueError(f"cu_seqlens packs sequences along T, so B must be 1; got B = {B}")
-            if cu[0] != 0:
-                raise ValueError(f"cu_seqlens must start at 0; got {int(cu[0])}")
-            if np.any(np.diff(cu.astype(np.int64)) < 0):
-                raise ValueError(f"cu_seqlens must be non-decreasing; got {cu.tolist()}")
-            if cu[-1] != T:
-                raise ValueError(f"cu_seqlens must end at T = {T}, the packed length; got "
-                                 f"{int(cu[-1])}")
-            self.cu = cu.astype(np.int64)
-            NS = cu.size - 1
-        else:
-            self.cu = np.array([0, T], np.int64)
-            NS = 1
-        self.packed = cu_seqlens is not None
-        self.general = self.per_key or self.normalize_qk or self.packed
-
-        if sh and self.packed:
-            self.state_shape = (NS, Dv, Dk)
-            st_lay = "[N, Dv, Dk]"
-        elif sh:
-            self.state_shape = (B, Dv, Dk)
-            st_lay = lay("B", "Dv", "Dk")
-        elif self.packed:
-            self.state_shape = (NS, HV, Dv, Dk)
-            st_lay = f"[N, {heads}, Dv, Dk]"
-        else:
-            self.state_shape = (B, HV, Dv, Dk)
-            st_lay = f"[B, {heads}, Dv, Dk]"
-        self.state_layout = st_lay
-        if s0 is not None:
-            expect_shape(s0, st_name, self.state_shape, st_lay)
-
-        self.B, self.T, self.H, self.G, self.HV, self.Dk, self.Dv, self.NS = \
-            B, T, H, G, HV, Dk, Dv, NS
-        arrays = [q, k, v, beta, gate] + ([s0] if s0 is not None else []) + list(extra)
-        self.dtype = dt = compute_dtype(arrays)
-        self.q, self.k = self.qk_view(q), self.qk_view(k)
-        self.v = self.seq_view(v.reshape(B, T, HV, Dv))
-        if self.gate_name == "g":
-            gate = np.exp(gate.astype(dt, copy=False))
-        gate = gate.reshape((B, T, HV, Dk) if self.per_key else (B, T, HV))
-        self.alpha = self.seq_view(gate) if self.per_key else self.head_view(gate)
-        if self.general and not self.per_key:   # the general ufunc reads [.., T, Dk]: key stride 0
-            self.alpha = np.broadcast_to(self.alpha[..., None], self.alpha.shape + (Dk,))
-        self.beta = self.head_view(beta.reshape(B, T, HV))
-        self.S0 = self.zero_state() if s0 is None else self.state_view(s0)
-
-    def qk_view(self, x):
-        """[B, T, H, Dk] -> [B, H, 1, T, Dk] (broadcast over the G value heads of a group)."""
-        return x.transpose(0, 2, 1, 3)[:, :, None]
-
-    def seq_view(self, x):
-        """[B, T, HV, D] -> [B, H, G, T, D]."""
-        B, T, _, D = x.shape
-        return x.reshape(B, T, self.H, self.G, D).transpose(0, 2, 3, 1, 4)
-
-    def head_view(self, x):
-        """[B, T, HV] -> [B, H, G, T]."""
-        return x.reshape(x.shape[0], self.T, self.H, self.G).transpose(0, 2, 3, 1)
-
-    def zero_state(self):
-        """Zeros for S_0 or dS_T, broadcast over every (sequence, head) by the ufunc."""
-        seq_axis = (self.NS,) if self.general else ()   # core dimensions do not broadcast
-        return np.zeros((1, 1, 1) + seq_axis + (self.Dv, self.Dk), self.dtype)
-
-    def state_view(self, S):
-        """A state in the user's shape -> [B, H, G, (NS,) Dv, Dk]. The general ufunc's states have
-        the sequence axis NS."""
-        Dv, Dk = self.Dv, self.Dk
-        if self.packed:                                # [N, HV, ...] -> [1, H, G, N, ...]
-            return S.reshape(self.NS, self.H, self.G, Dv, Dk).transpose(1, 2, 0, 3, 4)[None]
-        S = S.reshape(self.B, self.H, self.G, Dv, Dk)
-        return S[:, :, :, None] if self.general else S
-
-    def ckpt_shape(self):
-        """The user's shape of the forward's checkpoints: the state's, with an axis of
-        checkpoint_count(longest sequence) states before (Dv, Dk)."""
-        longest = int(np.max(np.diff(self.cu))) if self.cu.size > 1 else 0
-        return self.state_shape[:-2] + (checkpoint_count(longest), self.Dv, self.Dk)
-
-    def ckpt_view(self, C):
-        """Checkpoints in the user's shape -> the _ckpt ufuncs' [B, H, G, (NS,) NCK, Dv, Dk]."""
-        nck, Dv, Dk = C.shape[-3:]
-        if self.packed:
-            return C.reshape(self.NS, self.H, self.G, nck, Dv, Dk).transpose(1, 2, 0, 3, 4, 5)[None]
-        C = C.reshape(self.B, self.H, self.G, nck, Dv, Dk)
-        return C[:, :, :, None] if self.general else C
-
-    def new_seq(self, D):
-        """A new [B, T, HV, D] array (user layout) and its kernel view [B, H, G, T, D]."""
-        B, T = self.B, self.T
-        a = np.empty((B, T, self.HV, D), self.dtype)
-        return a, self.seq_view(a)
-
-    def new_state(self):
-        a = np.empty(self.state_shape, self.dtype)
-        return a, self.state_view(a)
-
-    def user_seq(self, a):
-        """[B, T, H or HV, D] -> the user's form ([B, T, D] for the single-head form)."""
-        return a[:, :, 0, :] if self.single_head else a
-
-    def ufunc_args(self):
-        """Inputs of the forward ufunc after (q, k, v, alpha, beta, S_0, scale)."""
-        return (np.asarray(self.normalize_qk, self.dtype), self.cu) if self.general else ()
 
 
 def _call(ufunc, args, out, num_threads):
@@ -420,50 +213,63 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
     dST = None if dS_T is None else as_real_array(dS_T, "dS_T")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
                  extra=[do] + ([dST] if dST is not None else []))
-    sh = p.single_head
-    heads = "HV" if p.HV != p.H else "H"
+    do_k, dST_k = _checked_output_grads(p, do, dST)
+    args = (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args()
+    if checkpoints is None:
+        ufunc = _core.gated_delta_rule_general_bwd if p.general else _core.gated_delta_rule_bwd
+    else:
+        args += (_checked_ckpt(p, checkpoints, initial_state),)
+        ufunc = (_core.gated_delta_rule_general_bwd_ckpt if p.general
+                 else _core.gated_delta_rule_bwd_ckpt)
+    grads, views = _new_grads(p)
+    _call(ufunc, args, views, nt)
+    return _user_grads(p, *grads)
+
+
+def _checked_output_grads(p, do, dST):
+    """do and dS_T checked against the problem; their kernel views (zeros for dS_T = None)."""
+    sh, heads = p.single_head, "HV" if p.HV != p.H else "H"
     expect_shape(do, "do", (p.B, p.T, p.Dv) if sh else (p.B, p.T, p.HV, p.Dv),
                  "[B, T, Dv]" if sh else f"[B, T, {heads}, Dv]")
     if dST is None:
-        dST_k = p.zero_state()
-    else:
-        expect_shape(dST, "dS_T", p.state_shape, p.state_layout)
-        dST_k = p.state_view(dST)
-    do_k = p.seq_view(do.reshape(p.B, p.T, p.HV, p.Dv))
-    ck_k = None if checkpoints is None else _checked_ckpt(p, checkpoints, initial_state)
+        return p.seq_view(do.reshape(p.B, p.T, p.HV, p.Dv)), p.zero_state()
+    expect_shape(dST, "dS_T", p.state_shape, p.state_layout)
+    return p.seq_view(do.reshape(p.B, p.T, p.HV, p.Dv)), p.state_view(dST)
 
-    B, T, H, G, HV, Dk = p.B, p.T, p.H, p.G, p.HV, p.Dk
-    # dq, dk: one partial gradient per value head, summed over each group below when G > 1
-    dq, dq_k = p.new_seq(Dk)
-    dk, dk_k = p.new_seq(Dk)
+
+def _new_grads(p):
+    """The backward ufunc's outputs: arrays (dq, dk, dv, dalpha, dbeta, dS0) in the user's layout
+    with one dq, dk per value head, and their kernel views. The general ufunc writes dalpha per
+    key channel, also for a scalar gate."""
+    dq, dq_k = p.new_seq(p.Dk)
+    dk, dk_k = p.new_seq(p.Dk)
     dv, dv_k = p.new_seq(p.Dv)
-    dbeta = np.empty((B, T, HV), p.dtype)
+    dbeta = np.empty((p.B, p.T, p.HV), p.dtype)
     if p.general:
-        dalpha = np.empty((B, T, HV, Dk), p.dtype)
+        dalpha = np.empty((p.B, p.T, p.HV, p.Dk), p.dtype)
         dalpha_k = p.seq_view(dalpha)
     else:
-        dalpha = np.empty((B, T, HV), p.dtype)
+        dalpha = np.empty((p.B, p.T, p.HV), p.dtype)
         dalpha_k = p.head_view(dalpha)
     dS0, dS0_k = p.new_state()
-    args = (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args()
-    if ck_k is None:
-        ufunc = _core.gated_delta_rule_general_bwd if p.general else _core.gated_delta_rule_bwd
-    else:
-        args += (ck_k,)
-        ufunc = (_core.gated_delta_rule_general_bwd_ckpt if p.general
-                 else _core.gated_delta_rule_bwd_ckpt)
-    _call(ufunc, args, (dq_k, dk_k, dv_k, dalpha_k, p.head_view(dbeta), dS0_k), nt)
+    return ((dq, dk, dv, dalpha, dbeta, dS0),
+            (dq_k, dk_k, dv_k, dalpha_k, p.head_view(dbeta), dS0_k))
 
+
+def _user_grads(p, dq, dk, dv, dalpha, dbeta, dS0):
+    """The kernel's gradients in the user's shapes: dq, dk summed over each group of value heads,
+    dalpha over the keys for a scalar gate, dg = alpha * dalpha when the gate was g."""
+    B, T, H, G, Dk = p.B, p.T, p.H, p.G, p.Dk
     if G > 1:
         dq = dq.reshape(B, T, H, G, Dk).sum(axis=3)
         dk = dk.reshape(B, T, H, G, Dk).sum(axis=3)
     if p.general and not p.per_key:
         dalpha = dalpha.sum(axis=-1)
-    alpha_k = p.alpha[..., 0] if (p.general and not p.per_key) else p.alpha
     dq, dk, dv = p.user_seq(dq), p.user_seq(dk), p.user_seq(dv)
     dbeta = dbeta.reshape(p.beta_shape)
     if p.gate_name == "g":
         # dg = alpha * dalpha, alpha in the kernels' [B, H, G, T(, Dk)] view
+        alpha_k = p.alpha[..., 0] if (p.general and not p.per_key) else p.alpha
         a = alpha_k.transpose(0, 3, 1, 2, 4) if p.per_key else alpha_k.transpose(0, 3, 1, 2)
         dg = (a.reshape(dalpha.shape) * dalpha).astype(p.dtype, copy=False)
         return GatedDeltaRuleGradsG(dq, dk, dv, dbeta, dg.reshape(p.gate_shape), dS0)

@@ -1,0 +1,185 @@
+"""The package as a user meets it: scalars and empty key dimensions refused by name, the oracle
+importable without the compiled module, the command line, compact results, the build's shared
+constants and its OpenMP probe."""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gdn_ext
+from gdn_ext import _constants, _core, reference
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _seq(rng, B=2, T=5, H=2, Dk=4, Dv=3):
+    return dict(q=rng.standard_normal((B, T, H, Dk)), k=rng.standard_normal((B, T, H, Dk)),
+                v=rng.standard_normal((B, T, H, Dv)), beta=rng.uniform(0, 1, (B, T, H)),
+                alpha=rng.uniform(0.5, 1, (B, T, H)))
+
+
+def _step(rng, B=2, H=2, Dk=4, Dv=3):
+    return dict(q_t=rng.standard_normal((B, H, Dk)), k_t=rng.standard_normal((B, H, Dk)),
+                v_t=rng.standard_normal((B, H, Dv)), beta=rng.uniform(0, 1, (B, H)),
+                alpha=rng.uniform(0.5, 1, (B, H)), state=None)
+
+
+def _single(rng, B=2, T=5, Dk=4, Dv=3):
+    return dict(q=rng.standard_normal((B, T, Dk)), k=rng.standard_normal((B, T, Dk)),
+                v=rng.standard_normal((B, T, Dv)), beta=rng.uniform(0, 1, (B, T)),
+                alpha=rng.uniform(0.5, 1, (B, T)))
+
+
+def _call(kind, kw, do=None):
+    if kind == "step":
+        kw = dict(kw)
+        return gdn_ext.gated_delta_rule_step(kw.pop("q_t"), kw.pop("k_t"), kw.pop("v_t"), **kw)
+    kw = dict(kw)
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    if kind == "backward":
+        do = np.ones(np.shape(v)) if do is None else do
+        return gdn_ext.gated_delta_rule_backward(do, q, k, v, **kw)
+    return gdn_ext.gated_delta_rule(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("kind,make", [("forward", _seq), ("backward", _seq), ("step", _step),
+                                       ("forward", _single), ("backward", _single)])
+def test_scalars_where_arrays_are_required_are_named(kind, make):
+    """A 0-d array or Python scalar for any array argument: ValueError naming it, never
+    IndexError (the step API and the single-head form added axes to them)."""
+    good = make(np.random.default_rng(0))
+    for name in [n for n in good if n != "state"]:
+        for scalar in (0.5, np.float64(0.5), np.array(0.5)):
+            bad = dict(good, **{name: scalar})
+            with pytest.raises((ValueError, TypeError)) as info:
+                _call(kind, bad, do=np.ones(np.shape(good.get("v"))))
+            assert name in str(info.value), (name, str(info.value))
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward", "step"])
+@pytest.mark.parametrize("normalize_qk", [False, True])
+@pytest.mark.parametrize("gate", ["alpha", "g", "per_key"])
+def test_no_key_channels_is_refused_by_name(kind, normalize_qk, gate):
+    """Dk = 0 on every path: ValueError naming q (and k), not an IndexError from inside."""
+    rng = np.random.default_rng(1)
+    good = (_step if kind == "step" else _seq)(rng, Dk=0)
+    good["normalize_qk"] = normalize_qk
+    a = good.pop("alpha")
+    if gate == "per_key":
+        good["alpha"] = np.ones(a.shape + (0,))
+    else:
+        good[gate] = a if gate == "alpha" else np.log(a)
+    with pytest.raises(ValueError, match="Dk >= 1") as info:
+        _call(kind, good)
+    assert "q" in str(info.value)
+
+
+def test_results_print_compactly():
+    """Gradients and step results show shapes and dtypes, not every number."""
+    rng = np.random.default_rng(2)
+    kw = _seq(rng, B=2, T=64, H=4, Dk=32, Dv=32)
+    grads = _call("backward", kw)
+    text = repr(grads)
+    assert len(text) < 600, text
+    assert "dq=array(shape=[2, 64, 4, 32], dtype=float64)" in text
+    assert text.startswith("GatedDeltaRuleGrads(")
+    o, S = step = _call("step", _step(rng))           # still unpacks as a pair
+    assert "StepResult(o=array(shape=[2, 2, 3]" in repr(step) and step.state is S
+    assert np.array_equal(grads.dq, grads[0])
+
+
+def test_shared_constants_reach_the_kernels():
+    """The C build's L2 epsilon is _constants.L2_EPS: normalize_qk matches the reference, which
+    reads the same constant, on inputs where the epsilon dominates (tiny q, k)."""
+    assert _core.L2_EPS == _constants.L2_EPS
+    rng = np.random.default_rng(3)
+    kw = _seq(rng, Dk=8)
+    kw["q"] = kw["q"] * 1e-4
+    kw["k"] = kw["k"] * 1e-4
+    o, S = gdn_ext.gated_delta_rule(**kw, normalize_qk=True)
+    o_ref, S_ref = reference.gated_delta_rule(**kw, normalize_qk=True)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-10, atol=1e-14)
+
+
+def _source_copy(tmp_path):
+    """The repository's Python sources without any compiled module: a fresh source checkout."""
+    dst = tmp_path / "src"
+    shutil.copytree(ROOT / "gdn_ext", dst / "gdn_ext",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    return dst
+
+
+def test_reference_imports_without_the_compiled_module(tmp_path):
+    """The oracle loads and computes when the kernels are missing; the kernels' names raise an
+    ImportError saying how to build, not a circular-import message."""
+    src = _source_copy(tmp_path)
+    # as in a checkout where gdn_ext is not installed: no editable-install finder
+    code = ("import sys\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]\n"
+            "import numpy as np, gdn_ext.reference as r\n"
+            "rng = np.random.default_rng(0)\n"
+            "q = rng.standard_normal((1, 3, 2))\n"
+            "o, S = r.gated_delta_rule(q, q, q, beta=np.ones((1, 3)), alpha=np.ones((1, 3)))\n"
+            "print(o.shape)\n"
+            "try:\n"
+            "    from gdn_ext import gated_delta_rule\n"
+            "except ImportError as e:\n"
+            "    print('IMPORTERROR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(src)))
+    assert out.returncode == 0, out.stderr
+    assert "(1, 3, 2)" in out.stdout
+    assert "IMPORTERROR" in out.stdout and "pip install -e ." in out.stdout
+    assert "circular" not in out.stdout
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "gdn_ext", *args], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_command_line_lists_commands_and_suggests():
+    out = _cli("--help")
+    assert out.returncode == 0
+    usage = out.stdout.splitlines()[0]
+    for cmd in ("check", "demo", "bench", "train"):
+        assert cmd in usage
+    out = _cli("benhc")
+    assert out.returncode == 2 and "did you mean 'bench'" in out.stderr
+    out = _cli("demo", "--help")
+    assert out.returncode == 0 and "python -m gdn_ext demo" in out.stdout
+
+
+def test_library_and_applications_apart():
+    """No module of the library imports an application; each file opens with what it holds."""
+    lib = [p for p in (ROOT / "gdn_ext").rglob("*.py") if "apps" not in p.parts]
+    for p in lib:
+        text = p.read_text()
+        assert "apps" not in "".join(line for line in text.splitlines()
+                                     if line.lstrip().startswith(("import ", "from "))), p
+    for p in (ROOT / "gdn_ext").rglob("*.py"):
+        assert p.read_text().lstrip().startswith('"""'), f"{p} has no opening docstring"
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_openmp_probe_uses_the_users_flags(monkeypatch):
+    """A coverage build (CFLAGS / LDFLAGS=--coverage) keeps OpenMP: the probe links with the
+    user's flags, so it does not fail for a missing runtime and turn OpenMP off."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import setup as build
+    finally:
+        sys.path.remove(str(ROOT))
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.sysconfig import customize_compiler
+    monkeypatch.setenv("CFLAGS", "--coverage")
+    monkeypatch.setenv("LDFLAGS", "--coverage")
+    monkeypatch.delenv("GDN_EXT_NO_OPENMP", raising=False)
+    cc = new_compiler()
+    customize_compiler(cc)
+    assert build.openmp_flags(cc) is not None
+    assert build.shared_constants()["L2_EPS"] == _constants.L2_EPS
