@@ -15,9 +15,13 @@ The backward is written out by hand in NumPy; the recurrence's backward is the C
 Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
 Rule", ICLR 2025 (arXiv:2412.06464), sections 3-4.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass, fields
+from typing import Optional, Tuple
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ._checks import as_real_array, expect_shape, flag, fmt
 from ._constants import L2_EPS, RMS_EPS
@@ -137,14 +141,15 @@ def _inv_rms(x, eps):
         return (1 / m) / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + eps / (m * m))
 
 
-def rmsnorm(x, weight, eps=RMS_EPS):
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float = RMS_EPS) -> np.ndarray:
     """RMSNorm: ``weight * x / sqrt(mean(x**2, axis=-1) + eps)``. x [..., D], weight [D].
 
     Zhang & Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019."""
     return weight * (x * _inv_rms(x, eps))
 
 
-def rmsnorm_backward(dh, x, weight, eps=RMS_EPS):
+def rmsnorm_backward(dh: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float = RMS_EPS,
+                     ) -> Tuple[np.ndarray, np.ndarray]:
     """Gradients (dx, dweight) of :func:`rmsnorm` given dh = dL/dh; dweight sums leading axes."""
     r = _inv_rms(x, eps)
     xhat = x * r
@@ -155,12 +160,12 @@ def rmsnorm_backward(dh, x, weight, eps=RMS_EPS):
     return dx, dweight
 
 
-def l2norm(x, eps=L2_EPS):
+def l2norm(x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
     """``x / sqrt(sum(x**2, axis=-1) + eps)`` (eps inside the root, as flash-linear-attention)."""
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def l2norm_backward(dy, x, eps=L2_EPS):
+def l2norm_backward(dy: np.ndarray, x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
     """dx of :func:`l2norm` given dy: (dy - y (y . dy)) / n with n = sqrt(sum x^2 + eps)."""
     n = np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
     y = x / n
@@ -202,7 +207,9 @@ def _projections(x, params, normalize_qk):
     return h, q_raw, k_raw, q, k, v, gate, eta
 
 
-def gated_deltanet_forward(x, S, params, *, normalize_qk=False, scale=1.0, num_threads=None):
+def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
+                           normalize_qk: bool = False, scale: float = 1.0,
+                           num_threads: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
     """The design note's Gated DeltaNet layer: ``y, S_T = gated_deltanet_forward(x, S, params)``.
 
     Parameters
@@ -239,8 +246,11 @@ def gated_deltanet_forward(x, S, params, *, normalize_qk=False, scale=1.0, num_t
     return y, S_T
 
 
-def gated_deltanet_backward(dy, x, S, params, dS_T=None, *, normalize_qk=False, scale=1.0,
-                            num_threads=None):
+def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
+                            params: GatedDeltaNetParams, dS_T: Optional[ArrayLike] = None, *,
+                            normalize_qk: bool = False, scale: float = 1.0,
+                            num_threads: Optional[int] = None,
+                            ) -> Tuple[np.ndarray, np.ndarray, GatedDeltaNetParams]:
     """Backward of :func:`gated_deltanet_forward`: ``dx, dS, dparams``.
 
     Recomputes the forward's projections (cheap), runs the recurrence's backward in C
@@ -298,7 +308,9 @@ def gated_deltanet_backward(dy, x, S, params, dS_T=None, *, normalize_qk=False, 
     return dy + dx_norm, g.d_initial_state, dparams
 
 
-def gated_deltanet_step(x_t, S, params, *, normalize_qk=False, scale=1.0, num_threads=None):
+def gated_deltanet_step(x_t: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
+                        normalize_qk: bool = False, scale: float = 1.0,
+                        num_threads: Optional[int] = None) -> LayerStepResult:
     """One token through the layer: ``y_t, S_new = gated_deltanet_step(x_t, S, params)``.
 
     x_t [B, D]; S [B, H, Dv, Dk] or None (zeros); normalize_qk, scale, num_threads as for

@@ -3,7 +3,12 @@
 Math (README, "The recurrence" and "The backward pass"): S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving
 Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 """
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from . import _core
 from ._checks import as_real_array, expect_shape, flag, thread_count
@@ -14,14 +19,14 @@ __all__ = ["gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_st
            "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count", "StepResult"]
 
 
-def openmp_enabled():
+def openmp_enabled() -> bool:
     """Whether this build runs the (sequence, head) loop in parallel with OpenMP.
 
     False when the compiler had no OpenMP at build time (the kernels then run serially)."""
     return bool(_core.openmp_enabled())
 
 
-def checkpoint_interval(T):
+def checkpoint_interval(T: int) -> int:
     """C, the number of steps between state checkpoints in the backward pass: ceil(sqrt(T)).
 
     The backward holds ceil(T/C) + 1 states of Dv*Dk numbers per (sequence, head) pair in flight
@@ -56,9 +61,13 @@ def _forward(p, num_threads, checkpoints=False):
     return o, S_T, ck
 
 
-def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
-                     output_final_state=True, num_threads=None, normalize_qk=False,
-                     cu_seqlens=None, return_checkpoints=False):
+def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLike,
+                     alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
+                     initial_state: Optional[ArrayLike] = None, scale: float = 1.0,
+                     output_final_state: bool = True, num_threads: Optional[int] = None,
+                     normalize_qk: bool = False,
+                     cu_seqlens: Union[ArrayLike, Sequence[int], None] = None,
+                     return_checkpoints: bool = False) -> tuple:
     """The gated delta rule recurrence (Gated DeltaNet's token mixer), computed in C.
 
     For each sequence and value head, with state S of shape [Dv, Dk] and t = 1..T::
@@ -157,9 +166,15 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     return p.user_seq(o), (S_T if output_final_state else None)
 
 
-def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
-                              dS_T=None, scale=1.0, num_threads=None, normalize_qk=False,
-                              cu_seqlens=None, checkpoints=None):
+def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                              beta: ArrayLike, alpha: Optional[ArrayLike] = None,
+                              g: Optional[ArrayLike] = None,
+                              initial_state: Optional[ArrayLike] = None,
+                              dS_T: Optional[ArrayLike] = None, scale: float = 1.0,
+                              num_threads: Optional[int] = None, normalize_qk: bool = False,
+                              cu_seqlens: Union[ArrayLike, Sequence[int], None] = None,
+                              checkpoints: Optional[NDArray] = None,
+                              ) -> Union[GatedDeltaRuleGrads, GatedDeltaRuleGradsG]:
     """Gradients of :func:`gated_delta_rule` (backpropagation through time, in C).
 
     Given ``do`` = dL/do and ``dS_T`` = dL/dS_T, returns dL/d(every input). Walks t = T..1 with
@@ -300,14 +315,17 @@ def _checked_ckpt(p, checkpoints, initial_state):
     return p.ckpt_view(ck)
 
 
-def checkpoint_count(T):
+def checkpoint_count(T: int) -> int:
     """The number of checkpoints of a T-step sequence, ceil(T / checkpoint_interval(T)): the
     states gated_delta_rule(..., return_checkpoints=True) returns per sequence and head."""
     return int(_core.checkpoint_count(int(T)))
 
 
-def gated_delta_rule_step(q_t, k_t, v_t, *, beta, alpha=None, g=None, state, scale=1.0,
-                          normalize_qk=False, num_threads=None, inplace=False):
+def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, beta: ArrayLike,
+                          alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
+                          state: Optional[ArrayLike], scale: float = 1.0,
+                          normalize_qk: bool = False, num_threads: Optional[int] = None,
+                          inplace: bool = False) -> StepResult:
     """One token of the gated delta rule: recurrent (decoding) form of :func:`gated_delta_rule`.
 
     ``o_t, S_t = gated_delta_rule_step(q_t, k_t, v_t, beta=beta_t, alpha=alpha_t, state=S_{t-1})``

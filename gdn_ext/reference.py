@@ -15,7 +15,12 @@ without the argument checking. Computed in the inputs' promoted float dtype.
 Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
 Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 """
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 # only pure-Python siblings: the oracle must import when the compiled module is missing or broken
 from ._constants import L2_EPS
@@ -25,17 +30,17 @@ __all__ = ["batch_matvec", "batch_outer", "gate_memory", "l2norm", "gated_delta_
            "gated_delta_rule_backward"]
 
 
-def batch_matvec(S, x):
+def batch_matvec(S: np.ndarray, x: np.ndarray) -> np.ndarray:
     """S x for a batch: S [..., Dv, Dk], x [..., Dk] -> [..., Dv]."""
     return np.einsum("...vk,...k->...v", S, x)
 
 
-def batch_outer(a, b):
+def batch_outer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a b^T for a batch: a [..., Dv], b [..., Dk] -> [..., Dv, Dk]."""
     return np.einsum("...v,...k->...vk", a, b)
 
 
-def gate_memory(S, gate):
+def gate_memory(S: np.ndarray, gate: np.ndarray) -> np.ndarray:
     """The gate applied to the state, S D: S [..., Dv, Dk] times a scalar gate [...] or, per key
     channel, times gate [..., Dk] along the columns (D = diag(gate)).
 
@@ -46,7 +51,7 @@ def gate_memory(S, gate):
     return S * gate[..., None, None]
 
 
-def l2norm(x):
+def l2norm(x: np.ndarray) -> np.ndarray:
     """x / sqrt(sum x^2 + 1e-6) over the last axis (epsilon inside the root)."""
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
@@ -150,8 +155,11 @@ def _sequences(T, cu_seqlens):
     return list(zip(cu[:-1], cu[1:]))
 
 
-def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
-                     normalize_qk=False, cu_seqlens=None):
+def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLike,
+                     alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
+                     initial_state: Optional[ArrayLike] = None, scale: float = 1.0,
+                     normalize_qk: bool = False, cu_seqlens: Optional[ArrayLike] = None,
+                     ) -> Tuple[np.ndarray, np.ndarray]:
     """Forward loop of the design note, generalised. Returns (o, S_T) shaped as
     :func:`gdn_ext.gated_delta_rule` returns them."""
     P = _prepare(q, k, v, beta, alpha, g, initial_state, normalize_qk)
@@ -175,8 +183,13 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     return o, S_T
 
 
-def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
-                              dS_T=None, scale=1.0, normalize_qk=False, cu_seqlens=None):
+def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                              beta: ArrayLike, alpha: Optional[ArrayLike] = None,
+                              g: Optional[ArrayLike] = None,
+                              initial_state: Optional[ArrayLike] = None,
+                              dS_T: Optional[ArrayLike] = None, scale: float = 1.0,
+                              normalize_qk: bool = False, cu_seqlens: Optional[ArrayLike] = None,
+                              ) -> Union[GatedDeltaRuleGrads, GatedDeltaRuleGradsG]:
     """Backward pass over time (README, "The backward pass") of :func:`gated_delta_rule`, keeping
     every state. Returns the same named tuple as :func:`gdn_ext.gated_delta_rule_backward`."""
     P = _prepare(q, k, v, beta, alpha, g, initial_state, normalize_qk, extra=(do,))

@@ -57,7 +57,7 @@ def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=
     try:
         from tqdm import tqdm
         bar = tqdm(range(steps), disable=not progress, unit="step", file=sys.stderr)
-    except ImportError:  # tqdm is a dependency; this only keeps a broken install usable
+    except ImportError:  # the apps extra brings it; without it, no bar
         bar = range(steps)
     t0 = time.perf_counter()
     tokens = 0
@@ -173,7 +173,11 @@ def main(argv=None):
                  f"{10 * (a.seq_len + 2)} (the last 10% is held out for validation)")
     # NumPy's BLAS threads spin after each small matmul and fight the kernels' OpenMP threads for
     # the cores: the model's matmuls are small, so one BLAS thread is faster overall
-    from threadpoolctl import threadpool_limits
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        ap.error('threadpoolctl is missing: install the applications\' extra, '
+                 'pip install "gdn_ext[apps]"')
     with threadpool_limits(limits=1, user_api="blas"):
         res = train(text, steps=a.steps, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads,
                     d_head=a.head_dim, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,

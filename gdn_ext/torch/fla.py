@@ -2,6 +2,10 @@
 ``fused_recurrent_gated_delta_rule`` (and transformers' pure-torch fallbacks of them) on the CPU:
 their conventions (state [N, HV, K, V], log decay g, scale default K ** -0.5) mapped onto
 :func:`gdn_ext.torch.gated_delta_rule`."""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
 import torch
 
 from .function import gated_delta_rule
@@ -33,9 +37,13 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
     return o.to(out_dtype), (None if S_T is None else S_T.transpose(-1, -2))
 
 
-def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
-                           output_final_state=False, use_qk_l2norm_in_kernel=False,
-                           cu_seqlens=None, *, gk=None, **kwargs):
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
+                           scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                           cu_seqlens: Optional[torch.Tensor] = None, *,
+                           gk: Optional[torch.Tensor] = None, **kwargs: Any,
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Drop-in for flash-linear-attention's ``chunk_gated_delta_rule`` (and transformers'
     ``torch_chunk_gated_delta_rule``) on CPU tensors, with gradients.
 
@@ -62,9 +70,13 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
                      use_qk_l2norm_in_kernel, cu_seqlens)
 
 
-def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
-                                     cu_seqlens=None, *, gk=None, **kwargs):
+def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
+                                     scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+                                     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                                     cu_seqlens: Optional[torch.Tensor] = None, *,
+                                     gk: Optional[torch.Tensor] = None, **kwargs: Any,
+                                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Drop-in for flash-linear-attention's ``fused_recurrent_gated_delta_rule`` (and
     transformers' ``torch_recurrent_gated_delta_rule``) on CPU tensors.
 

@@ -4,6 +4,10 @@ The forward keeps its state checkpoints for the backward when a gradient will be
 training runs the recurrence forward once. Source of the math: S. Yang, J. Kautz, A. Hatamizadeh,
 "Gated Delta Networks: Improving Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), sec. 3.
 """
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
 import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
@@ -59,9 +63,13 @@ class _GatedDeltaRule(torch.autograd.Function):
         return dq, dk, dv, dbeta, dgate, (None if initial_state is None else dS0), None
 
 
-def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
-                     output_final_state=True, normalize_qk=False, cu_seqlens=None,
-                     num_threads=None):
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: torch.Tensor,
+                     alpha: Optional[torch.Tensor] = None, g: Optional[torch.Tensor] = None,
+                     initial_state: Optional[torch.Tensor] = None, scale: float = 1.0,
+                     output_final_state: bool = True, normalize_qk: bool = False,
+                     cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
+                     num_threads: Optional[int] = None,
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`gdn_ext.gated_delta_rule` on torch tensors, differentiable (autograd).
 
     Tensors: CPU, float32 or float64 (all the same dtype), any strides, ``requires_grad`` on any

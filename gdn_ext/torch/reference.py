@@ -1,5 +1,9 @@
 """The design note's loop in plain torch ops: the autograd baseline gdn_ext's Function is checked
 against (any dtype, any device, differentiable to any order)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
 import torch
 
 from .._constants import L2_EPS
@@ -7,9 +11,13 @@ from .._constants import L2_EPS
 __all__ = ["reference_gated_delta_rule"]
 
 
-def reference_gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None,
-                               scale=1.0, output_final_state=True, normalize_qk=False,
-                               cu_seqlens=None):
+def reference_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                               beta: torch.Tensor, alpha: Optional[torch.Tensor] = None,
+                               g: Optional[torch.Tensor] = None,
+                               initial_state: Optional[torch.Tensor] = None, scale: float = 1.0,
+                               output_final_state: bool = True, normalize_qk: bool = False,
+                               cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
+                               ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The design note's loop in plain torch ops, one token at a time: the autograd baseline.
 
     Same arguments, shapes and conventions as :func:`gated_delta_rule` (gdn_ext's), any float
