@@ -26,11 +26,12 @@ _LIBRARY = {   # public names -> the module that holds them (loaded with the com
     "checkpoint_interval": "recurrence", "checkpoint_count": "recurrence",
 }
 __all__ = list(_LIBRARY) + ["GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult",
-                            "reference", "__version__"]
+                            "LayerStepResult", "LayerGrads", "reference", "__version__"]
 
 # Importable without the compiled module: the oracle and the result types.
 from . import reference  # noqa: E402
-from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, StepResult  # noqa: E402
+from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, LayerGrads,  # noqa: E402
+                       LayerStepResult, StepResult)
 
 # Idle OpenMP threads sleep instead of spinning, unless the user chose (OMP_WAIT_POLICY,
 # GOMP_SPINCOUNT): spinning threads take the cores from NumPy's BLAS threads and from other

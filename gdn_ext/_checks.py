@@ -72,6 +72,19 @@ def thread_count(num_threads):
     return n
 
 
+def sequence_length(T):
+    """A number of steps: a non-negative int below 2**62; TypeError / ValueError otherwise."""
+    if isinstance(T, (bool, np.bool_)):
+        raise TypeError("T must be a non-negative int; got a bool")
+    try:
+        n = operator.index(T)
+    except TypeError:
+        raise TypeError(f"T must be a non-negative int; got {type(T).__name__}") from None
+    if not 0 <= n < 2**62:
+        raise ValueError(f"T must be a non-negative int below 2**62; got {n}")
+    return n
+
+
 def flag(x, name):
     """A bool argument; TypeError for anything else (a string like "no" is truthy)."""
     if not isinstance(x, (bool, np.bool_)):

@@ -13,7 +13,7 @@ states carry a sequence axis NS (1 unless packed).
 """
 import numpy as np
 
-from . import _core
+from ._native import _core
 from ._checks import as_real_array, compute_dtype, expect_shape, flag, fmt, real_scalar
 
 __all__ = []
@@ -162,13 +162,16 @@ class _Problem:
         if not self.packed:
             self.cu, self.NS = np.array([0, T], np.int64), 1
         else:
-            cu = np.asarray(cu_seqlens)
-            if cu.ndim != 1 or cu.size < 2:
-                raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got "
-                                 f"{fmt(cu.shape)}")
+            try:
+                cu = np.asarray(cu_seqlens)
+            except ValueError as exc:   # ragged nested lists
+                raise TypeError(f"cu_seqlens must be an integer array [N + 1]: {exc}") from None
             if cu.dtype.kind not in "iu":
                 raise TypeError(f"cu_seqlens must be an integer array [N + 1]; got dtype "
                                 f"{cu.dtype}")
+            if cu.ndim != 1 or cu.size < 2:
+                raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got "
+                                 f"{fmt(cu.shape)}")
             if B != 1:
                 raise ValueError(f"cu_seqlens packs sequences along T, so B must be 1; got "
                                  f"B = {B}")

@@ -3,7 +3,8 @@ number: a notebook cell should not fill the screen). Pure Python + NumPy: the re
 them without the compiled module."""
 from collections import namedtuple
 
-__all__ = ["GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult", "LayerStepResult", "describe"]
+__all__ = ["GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult", "LayerStepResult", "LayerGrads",
+           "describe"]
 
 
 def describe(x):
@@ -50,4 +51,10 @@ class StepResult(_Compact, namedtuple("StepResult", ["o", "state"])):
 class LayerStepResult(_Compact, namedtuple("LayerStepResult", ["y", "state"])):
     """The layer's decoding step: ``y`` the layer's output for the token (residual included),
     ``state`` the new state; unpacks as ``y_t, S_t``."""
+    __slots__ = ()
+
+
+class LayerGrads(_Compact, namedtuple("LayerGrads", ["dx", "d_initial_state", "dparams"])):
+    """Gradients of the layer: ``dx`` of its input, ``d_initial_state`` of its state, ``dparams``
+    of its weights (a GatedDeltaNetParams); unpacks as ``dx, dS, dparams``."""
     __slots__ = ()

@@ -25,7 +25,7 @@ from numpy.typing import ArrayLike
 
 from ._checks import as_real_array, expect_shape, flag, fmt
 from ._constants import L2_EPS, RMS_EPS
-from ._results import LayerStepResult
+from ._results import LayerGrads, LayerStepResult
 from .recurrence import gated_delta_rule, gated_delta_rule_backward, gated_delta_rule_step
 
 __all__ = ["GatedDeltaNetParams", "rmsnorm", "rmsnorm_backward", "l2norm", "l2norm_backward",
@@ -141,16 +141,40 @@ def _inv_rms(x, eps):
         return (1 / m) / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + eps / (m * m))
 
 
+def _rows(x, name):
+    """An array with a last axis (the one normalised); ValueError for a scalar."""
+    x = as_real_array(x, name)
+    if x.ndim == 0:
+        raise ValueError(f"{name} must be an array [..., D] (normalised over its last axis); "
+                         f"got a scalar")
+    return x
+
+
+def _weight(weight, x, name="weight"):
+    weight = as_real_array(weight, name)
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"{name} must have shape [D] = {fmt(x.shape[-1:])} (x's last axis); got "
+                         f"{fmt(weight.shape)}")
+    return weight
+
+
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float = RMS_EPS) -> np.ndarray:
     """RMSNorm: ``weight * x / sqrt(mean(x**2, axis=-1) + eps)``. x [..., D], weight [D].
+    Raises ValueError / TypeError for a scalar x, a weight not of shape [D], non-real input.
 
     Zhang & Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019."""
+    x = _rows(x, "x")
+    weight = _weight(weight, x)
     return weight * (x * _inv_rms(x, eps))
 
 
 def rmsnorm_backward(dh: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float = RMS_EPS,
                      ) -> Tuple[np.ndarray, np.ndarray]:
     """Gradients (dx, dweight) of :func:`rmsnorm` given dh = dL/dh; dweight sums leading axes."""
+    x = _rows(x, "x")
+    weight = _weight(weight, x)
+    dh = as_real_array(dh, "dh")
+    expect_shape(dh, "dh", x.shape, "[..., D] (the shape of x)")
     r = _inv_rms(x, eps)
     xhat = x * r
     dweight = np.sum((dh * xhat).reshape(-1, x.shape[-1]), axis=0)
@@ -161,12 +185,17 @@ def rmsnorm_backward(dh: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: flo
 
 
 def l2norm(x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
-    """``x / sqrt(sum(x**2, axis=-1) + eps)`` (eps inside the root, as flash-linear-attention)."""
+    """``x / sqrt(sum(x**2, axis=-1) + eps)`` (eps inside the root, as flash-linear-attention).
+    x [..., D]; ValueError / TypeError for a scalar or non-real x."""
+    x = _rows(x, "x")
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def l2norm_backward(dy: np.ndarray, x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
     """dx of :func:`l2norm` given dy: (dy - y (y . dy)) / n with n = sqrt(sum x^2 + eps)."""
+    x = _rows(x, "x")
+    dy = as_real_array(dy, "dy")
+    expect_shape(dy, "dy", x.shape, "[..., D] (the shape of x)")
     n = np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
     y = x / n
     return (dy - y * np.sum(y * dy, axis=-1, keepdims=True)) / n
@@ -250,7 +279,7 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
                             params: GatedDeltaNetParams, dS_T: Optional[ArrayLike] = None, *,
                             normalize_qk: bool = False, scale: float = 1.0,
                             num_threads: Optional[int] = None,
-                            ) -> Tuple[np.ndarray, np.ndarray, GatedDeltaNetParams]:
+                            ) -> LayerGrads:
     """Backward of :func:`gated_deltanet_forward`: ``dx, dS, dparams``.
 
     Recomputes the forward's projections (cheap), runs the recurrence's backward in C
@@ -305,7 +334,7 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
     dx_norm, dnorm = rmsnorm_backward(dh, x, params.norm_weight)
     dparams = GatedDeltaNetParams(Wq=dW[0], Wk=dW[1], Wv=dW[2], Wg_state=dW[3], Weta=dW[4],
                                   Wo=dWo, norm_weight=dnorm)
-    return dy + dx_norm, g.d_initial_state, dparams
+    return LayerGrads(dy + dx_norm, g.d_initial_state, dparams)
 
 
 def gated_deltanet_step(x_t: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,

@@ -10,8 +10,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from . import _core
-from ._checks import as_real_array, expect_shape, flag, thread_count
+from ._native import _core
+from ._checks import as_real_array, expect_shape, flag, sequence_length, thread_count
 from ._problem import _Problem
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, StepResult
 
@@ -31,8 +31,8 @@ def checkpoint_interval(T: int) -> int:
 
     The backward holds ceil(T/C) + 1 states of Dv*Dk numbers per (sequence, head) pair in flight
     (the checkpoints and dL/dS_t), plus one segment of C states of a strip of 16 value rows per
-    thread."""
-    return int(_core.checkpoint_interval(int(T)))
+    thread. Raises TypeError for a T that is not an int, ValueError for T < 0 or T >= 2**62."""
+    return int(_core.checkpoint_interval(sequence_length(T)))
 
 
 def _call(ufunc, args, out, num_threads):
@@ -317,8 +317,9 @@ def _checked_ckpt(p, checkpoints, initial_state):
 
 def checkpoint_count(T: int) -> int:
     """The number of checkpoints of a T-step sequence, ceil(T / checkpoint_interval(T)): the
-    states gated_delta_rule(..., return_checkpoints=True) returns per sequence and head."""
-    return int(_core.checkpoint_count(int(T)))
+    states gated_delta_rule(..., return_checkpoints=True) returns per sequence and head.
+    Raises TypeError for a T that is not an int, ValueError for T < 0 or T >= 2**62."""
+    return int(_core.checkpoint_count(sequence_length(T)))
 
 
 def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, beta: ArrayLike,

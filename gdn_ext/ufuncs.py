@@ -57,6 +57,7 @@ what the signature implies: ``gdn_ext.gated_delta_rule`` is the checked, documen
 Math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule",
 ICLR 2025 (arXiv:2412.06464).
 """
+from ._native import _core
 from ._core import (gated_delta_rule_bwd, gated_delta_rule_bwd_ckpt, gated_delta_rule_fwd,
                     gated_delta_rule_fwd_ckpt, gated_delta_rule_general_bwd,
                     gated_delta_rule_general_bwd_ckpt, gated_delta_rule_general_fwd,

@@ -128,13 +128,20 @@ def test_reference_imports_without_the_compiled_module(tmp_path):
             "try:\n"
             "    from gdn_ext import gated_delta_rule\n"
             "except ImportError as e:\n"
-            "    print('IMPORTERROR', e)\n")
+            "    print('IMPORTERROR', e)\n"
+            "for mod in ('gdn_ext.layer', 'gdn_ext.recurrence', 'gdn_ext.ufuncs'):\n"
+            "    try:\n"
+            "        __import__(mod)\n"
+            "    except ImportError as e:\n"
+            "        print(mod, 'pip install -e .' in str(e))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(src)))
     assert out.returncode == 0, out.stderr
     assert "(1, 3, 2)" in out.stdout
     assert "IMPORTERROR" in out.stdout and "pip install -e ." in out.stdout
     assert "circular" not in out.stdout
+    for mod in ("gdn_ext.layer", "gdn_ext.recurrence", "gdn_ext.ufuncs"):
+        assert f"{mod} True" in out.stdout, out.stdout
 
 
 def _cli(*args):
@@ -213,3 +220,39 @@ def test_aarch64_build_uses_neon_and_is_right(tmp_path):
     out = subprocess.run([QEMU, str(exe)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "isa generic" in out.stdout
+
+
+def test_small_public_helpers_check_their_arguments():
+    for bad, exc in ((-1, ValueError), (1.5, TypeError), ("7", TypeError), (True, TypeError),
+                     (10**30, ValueError)):
+        for fn in (gdn_ext.checkpoint_count, gdn_ext.checkpoint_interval):
+            with pytest.raises(exc, match="T must"):
+                fn(bad)
+    assert gdn_ext.checkpoint_count(np.int64(100)) == 10
+    with pytest.raises(ValueError, match="x must be an array"):
+        gdn_ext.rmsnorm(1.0, 1.0)
+    with pytest.raises(ValueError, match=r"weight must have shape \[D\] = \[3\]"):
+        gdn_ext.rmsnorm(np.ones((2, 3)), np.ones(4))
+    with pytest.raises(ValueError, match="x must be an array"):
+        gdn_ext.l2norm(2.0)
+    with pytest.raises(TypeError, match="cu_seqlens must be an integer array"):
+        gdn_ext.gated_delta_rule(**_seq(np.random.default_rng(0), B=1), cu_seqlens=[0, [1], 5])
+    with pytest.raises(TypeError, match="cu_seqlens must be an integer array"):
+        gdn_ext.gated_delta_rule(**_seq(np.random.default_rng(0), B=1), cu_seqlens="05")
+
+
+def test_layer_gradients_print_compactly():
+    p = gdn_ext.GatedDeltaNetParams.init(16, 8, 8, n_heads=2, dtype=np.float64)
+    x = np.random.default_rng(0).standard_normal((2, 5, 16))
+    y, S = gdn_ext.gated_deltanet_forward(x, None, p)
+    grads = gdn_ext.layer.gated_deltanet_backward(np.ones_like(y), x, None, p)
+    dx, dS, dparams = grads
+    assert repr(grads).startswith("LayerGrads(dx=array(shape=[2, 5, 16], dtype=float64)")
+    assert len(repr(grads)) < 400
+
+
+@pytest.mark.parametrize("args", [["demo", "--seq-len", "0"], ["demo", "--heads", "0"],
+                                  ["demo", "--threads", "0"], ["check", "--seed", "-1"]])
+def test_commands_refuse_bad_options(args):
+    out = _cli(*args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr

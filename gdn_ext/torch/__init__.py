@@ -16,6 +16,13 @@ Improving Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 Modules: ``function`` (the autograd Function), ``reference`` (the torch loop), ``fla`` (the
 flash-linear-attention drop-ins), ``transformers`` (the transformers patch).
 """
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _exc:
+    raise ImportError("gdn_ext.torch needs PyTorch, which gdn_ext does not install: pip install "
+                      "torch (for the CPU only, e.g. pip install torch==2.13.0 "
+                      "--index-url https://download.pytorch.org/whl/cpu)") from _exc
+
 from .fla import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from .function import gated_delta_rule
 from .reference import reference_gated_delta_rule
