@@ -166,7 +166,7 @@ class _Problem:
                 cu = np.asarray(cu_seqlens)
             except ValueError as exc:   # ragged nested lists
                 raise TypeError(f"cu_seqlens must be an integer array [N + 1]: {exc}") from None
-            if cu.dtype.kind not in "iu":
+            if cu.dtype.kind not in "iu" and cu.size > 0:   # ([] is float64: a shape error)
                 raise TypeError(f"cu_seqlens must be an integer array [N + 1]; got dtype "
                                 f"{cu.dtype}")
             if cu.ndim != 1 or cu.size < 2:
