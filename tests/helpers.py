@@ -65,3 +65,21 @@ def central_differences(loss, inputs, h=1e-6):
                         - loss(dict(inputs, **{name: minus}))) / (2 * h)
         grads[name] = num
     return grads
+
+
+def run_python(code, env=None, **kwargs):
+    """``python -c code`` in a fresh process that imports the same gdn_ext as this one (the
+    repository's, an installed wheel's or an unpacked sdist's), with tests/ importable; the
+    working directory is tests/, so no other source folder shadows it."""
+    import os
+    import subprocess
+    import sys
+
+    import gdn_ext
+    tests = os.path.dirname(os.path.abspath(__file__))
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(gdn_ext.__file__)))
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, tests] + [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run([sys.executable, *kwargs.pop("args", ["-c", code])], env=env,
+                          capture_output=True, text=True, cwd=tests, **kwargs)

@@ -6,15 +6,13 @@ non-contiguous operands, and 1 or several threads (bitwise the same) -- against 
 ``check_all()`` runs every case once; the instruction-set test runs it in a fresh process per ISA.
 """
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import gdn_ext
 from gdn_ext import reference
-from helpers import assert_rel_close
+from helpers import assert_rel_close, run_python
 
 SHAPES = [  # (T, Dk, Dv): one (sequence, head) pair each, so several threads split its strips
     (130, 13, 70),     # odd sizes, Dv not a multiple of a strip, T past two 64-token blocks
@@ -147,12 +145,8 @@ def test_non_contiguous_operands():
 def test_every_instruction_set_on_the_strip_shapes(isa):
     """Each instruction set's build (its own strip width) passes the cases above, in a fresh
     process with GDN_EXT_ISA set."""
-    here = os.path.dirname(os.path.abspath(__file__))
     code = "import test_kernels; test_kernels.check_all()"
-    env = dict(os.environ, GDN_EXT_ISA=isa, PYTHONPATH=os.pathsep.join(
-        [here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(here))
+    out = run_python(code, env=dict(os.environ, GDN_EXT_ISA=isa))
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -210,8 +204,7 @@ def test_wait_policy_set_for_the_extension_only(user):
     if user:
         env["OMP_WAIT_POLICY"] = user
     code = "import os, gdn_ext; print(os.environ.get('OMP_WAIT_POLICY'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = run_python(code, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(user)
 

@@ -6,7 +6,7 @@ import pytest
 
 import gdn_ext
 from gdn_ext import ufuncs
-from helpers import assert_rel_close, make_inputs, split
+from helpers import assert_rel_close, make_inputs, run_python, split
 
 
 def _run_both(inputs, **extra):
@@ -236,8 +236,6 @@ def test_floating_point_errors_seen_from_any_thread(num_threads):
 def test_every_instruction_set_matches_the_reference(isa):
     """The kernels are compiled per instruction set and picked at run time; GDN_EXT_ISA selects
     one (if the CPU has it) in a fresh process. Each must agree with the NumPy reference."""
-    import subprocess
-    import sys
     code = r"""
 import sys, numpy as np, gdn_ext
 from gdn_ext import reference, _core
@@ -259,8 +257,7 @@ for dt, tol in ((np.float64, 1e-12), (np.float32, 2e-5)):
 print(_core.isa())
 """
     env = dict(__import__("os").environ, GDN_EXT_ISA=isa)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=__import__("os").path.dirname(__import__("os").path.dirname(__file__)))
+    out = run_python(code, env=env)
     assert out.returncode == 0, out.stderr
     used = out.stdout.strip()
     assert used in ("generic", "avx2", "avx512")

@@ -12,6 +12,7 @@ import pytest
 
 import gdn_ext
 from gdn_ext import _constants, _core, reference
+from helpers import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -145,10 +146,7 @@ def test_reference_imports_without_the_compiled_module(tmp_path):
 
 
 def _cli(*args):
-    # from the tests' folder: the gdn_ext under test is the importable one (an installed wheel
-    # when the suite runs against it), not a source folder beside the working directory
-    return subprocess.run([sys.executable, "-m", "gdn_ext", *args], capture_output=True,
-                          text=True, cwd=ROOT / "tests")
+    return run_python(None, args=["-m", "gdn_ext", *args])
 
 
 def test_command_line_lists_commands_and_suggests():
