@@ -95,15 +95,6 @@ def test_requires_grad_on_a_subset_strides_and_float32():
                                output_final_state=False)[1] is None
 
 
-def test_double_backward_raises():
-    inputs = _inputs(4, T=4)
-    q = inputs.pop("q").requires_grad_()
-    o, _ = gt.gated_delta_rule(q, inputs.pop("k"), inputs.pop("v"), **inputs)
-    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        dq.sum().backward()
-
-
 def test_bad_tensors():
     inputs = _inputs(5, T=3)
     q = inputs.pop("q")
@@ -296,3 +287,169 @@ def test_qwen3_next_swap_same_logits_and_gradients(dtype):
     for n in grads_g:
         scale = grads_t[n].abs().max().clamp_min(1e-12)
         torch.testing.assert_close(grads_g[n] / scale, grads_t[n] / scale, **tol, msg=n)
+
+
+# ---- every flash-linear-attention keyword, checked against transformers' loop in float64 --------
+
+def _oracle(q, k, v, g, beta, h0, l2=True):
+    """transformers' recurrent fallback in float64, gates and beta already activated, state in
+    fla's [N, HV, K, V]."""
+    return _in_float64(qwen3_next.torch_recurrent_gated_delta_rule)(
+        q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+        use_qk_l2norm_in_kernel=l2)
+
+
+def _issue_inputs(seed=11):
+    """The issue's shapes: K = V = 16, HV = 4, H = 2, T = 24, an initial state."""
+    return _fla_inputs(seed, B=2, T=24, H=2, HV=4, K=16, V=16, unit_keys=False)
+
+
+@pytest.mark.parametrize("dropin", list(FALLBACKS))
+def test_gate_computed_in_kernel(dropin):
+    """use_gate_in_kernel=True: g is the raw input, the decay -exp(A_log) softplus(g + dt_bias);
+    gradients reach A_log and dt_bias."""
+    q, k, v, _, beta, h0 = _issue_inputs()
+    gen = torch.Generator().manual_seed(3)
+    raw = torch.randn(2, 24, 4, generator=gen, dtype=torch.float64)
+    A_log = torch.randn(4, generator=gen, dtype=torch.float64).requires_grad_()
+    dt_bias = torch.randn(4, generator=gen, dtype=torch.float64).requires_grad_()
+    fn = FALLBACKS[dropin][0]
+    o, ht = fn(q, k, v, g=raw, beta=beta, initial_state=h0, output_final_state=True,
+               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+               dt_bias=dt_bias)
+    decay = -A_log.exp() * torch.nn.functional.softplus(raw + dt_bias)
+    o_t, ht_t = _oracle(q, k, v, decay, beta, h0)
+    torch.testing.assert_close(o, o_t, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_t, rtol=1e-10, atol=1e-10)
+    (o.square().sum() + ht.sum()).backward()
+    grads = (A_log.grad.clone(), dt_bias.grad.clone())
+    A_log.grad = dt_bias.grad = None
+    (o_t.square().sum() + ht_t.sum()).backward()
+    torch.testing.assert_close(grads[0], A_log.grad, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(grads[1], dt_bias.grad, rtol=1e-9, atol=1e-10)
+    with pytest.raises(ValueError, match="A_log"):
+        fn(q, k, v, g=raw, beta=beta, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match=r"A_log must have shape \[HV\] = \[4\]"):
+        fn(q, k, v, g=raw, beta=beta, use_gate_in_kernel=True, A_log=A_log[:2])
+
+
+@pytest.mark.parametrize("dropin", list(FALLBACKS))
+@pytest.mark.parametrize("neg", [False, True])
+def test_beta_as_a_logit(dropin, neg):
+    """use_beta_sigmoid_in_kernel: beta = sigmoid(b); with allow_neg_eigval: 2 sigmoid(b)."""
+    q, k, v, gl, b, h0 = _issue_inputs()
+    b = 3 * b - 1
+    fn = FALLBACKS[dropin][0]
+    o, ht = fn(q, k, v, g=gl, beta=b, initial_state=h0, output_final_state=True,
+               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+               allow_neg_eigval=neg)
+    o_t, ht_t = _oracle(q, k, v, gl, (2 if neg else 1) * torch.sigmoid(b), h0)
+    torch.testing.assert_close(o, o_t, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_t, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="allow_neg_eigval=True requires"):
+        fn(q, k, v, g=gl, beta=b, allow_neg_eigval=True)
+
+
+@pytest.mark.parametrize("dropin", list(FALLBACKS))
+@pytest.mark.parametrize("name", ["state_v_first", "transpose_state_layout"])
+@pytest.mark.parametrize("KV", [(16, 16), (8, 6)])
+def test_value_first_state_layout(dropin, name, KV):
+    """state_v_first (and its deprecated name): states [N, HV, V, K] in and out."""
+    K, V = KV
+    q, k, v, gl, beta, h0 = _fla_inputs(12, B=2, T=24, H=2, HV=4, K=K, V=V, unit_keys=False)
+    fn = FALLBACKS[dropin][0]
+    ctx = pytest.warns(DeprecationWarning) if name == "transpose_state_layout" else \
+        contextlib.nullcontext()
+    with ctx:
+        o, ht = fn(q, k, v, g=gl, beta=beta, initial_state=h0.transpose(-1, -2).contiguous(),
+                   output_final_state=True, use_qk_l2norm_in_kernel=True, **{name: True})
+    o_t, ht_t = _oracle(q, k, v, gl, beta, h0)
+    assert ht.shape == (2, 4, V, K)
+    torch.testing.assert_close(o, o_t, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_t.transpose(-1, -2), rtol=1e-10, atol=1e-10)
+    if K != V:   # the fla layout given where V-first is asked for: named in their layout
+        with pytest.raises(ValueError, match=rf"initial_state must have shape \[N, HV, V, K\] = "
+                                             rf"\[2, 4, {V}, {K}\]; got \[2, 4, {K}, {V}\]"):
+            fn(q, k, v, g=gl, beta=beta, initial_state=h0, state_v_first=True)
+
+
+def test_unknown_keywords_raise_and_tuning_keywords_pass():
+    q, k, v, gl, beta, h0 = _issue_inputs()
+    for fn in (gt.chunk_gated_delta_rule, gt.fused_recurrent_gated_delta_rule):
+        with pytest.raises(TypeError, match="intial_state"):
+            fn(q, k, v, g=gl, beta=beta, intial_state=h0)
+    ref = gt.chunk_gated_delta_rule(q, k, v, gl, beta, initial_state=h0)[0]
+    for kw in (dict(chunk_size=16), dict(chunk_indices=torch.zeros(3, 2, dtype=torch.long)),
+               dict(cu_seqlens_cpu=None), dict(cp_context=None)):
+        torch.testing.assert_close(gt.chunk_gated_delta_rule(q, k, v, gl, beta, initial_state=h0,
+                                                             **kw)[0], ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        gt.chunk_gated_delta_rule(q, k, v, gl, beta, chunk_size=48)
+    with pytest.raises(TypeError, match="cp_context"):
+        gt.chunk_gated_delta_rule(q, k, v, gl, beta, cp_context=object())
+    with pytest.raises(TypeError, match="gv"):
+        gt.fused_recurrent_gated_delta_rule(q, k, v, g=gl, gv=torch.zeros(2, 24, 4, 16),
+                                            beta=beta)
+
+
+def test_errors_speak_fla_layouts():
+    """A [2, 4, 6, 8] state where fla's layout is [2, 4, 8, 6]: the message names the expected
+    [N, HV, K, V] and the shape passed; a bad gk is named gk."""
+    q, k, v, gl, beta, _ = _fla_inputs(13, B=2, T=5, H=2, HV=4, K=8, V=6)
+    for fn in (gt.chunk_gated_delta_rule, gt.fused_recurrent_gated_delta_rule):
+        with pytest.raises(ValueError, match=r"initial_state must have shape \[N, HV, K, V\] = "
+                                             r"\[2, 4, 8, 6\]; got \[2, 4, 6, 8\]"):
+            fn(q, k, v, g=gl, beta=beta, initial_state=torch.zeros(2, 4, 6, 8,
+                                                                   dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"gk must have shape \[B, T, HV, K\]"):
+            fn(q, k, v, gk=torch.zeros(2, 5, 4, 9, dtype=torch.float64), beta=beta)
+        for bad in (q.numpy(), 1.0):
+            with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+                fn(bad, k, v, g=gl, beta=beta)
+        with pytest.raises(TypeError, match="g must be a torch.Tensor"):
+            fn(q, k, v, g=gl.numpy(), beta=beta)
+        with pytest.raises(ValueError, match="initial_state must have shape"):
+            fn(q, k, v, g=gl, beta=beta, initial_state=torch.zeros(5, dtype=torch.float64))
+        with pytest.raises(ValueError, match="K >= 1"):
+            fn(q[..., :0], k[..., :0], v, g=gl, beta=beta)
+
+
+def test_fused_recurrent_without_gate_is_the_delta_rule():
+    q, k, v, _, beta, h0 = _issue_inputs()
+    o, ht = gt.fused_recurrent_gated_delta_rule(q, k, v, beta=beta, initial_state=h0,
+                                                output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+    o_t, ht_t = _oracle(q, k, v, torch.zeros(2, 24, 4, dtype=torch.float64), beta, h0)
+    torch.testing.assert_close(o, o_t, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_t, rtol=1e-10, atol=1e-10)
+
+
+def test_negative_and_conjugate_bits_strides_offsets():
+    """Inputs that are negative-bit views (z.conj().imag), strided and offset views work forward
+    and backward, and equal the same values as plain tensors."""
+    inputs = _inputs(21, T=6)
+    plain = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+    o, S = gt.gated_delta_rule(plain.pop("q"), plain.pop("k"), plain.pop("v"), **plain)
+    z = torch.complex(torch.zeros_like(inputs["q"]), -inputs["q"])      # conj().imag == q
+    q_neg = z.conj().imag
+    assert q_neg.is_neg()
+    big = torch.zeros(3, *inputs["k"].shape, dtype=torch.float64)
+    big[1] = inputs["k"]
+    k_off = big[1]                                                       # storage offset
+    v_str = inputs["v"].transpose(0, 1).contiguous().transpose(0, 1)     # other strides
+    leaves = [q_neg, k_off, v_str]
+    o2, S2 = gt.gated_delta_rule(q_neg, leaves[1], leaves[2], beta=inputs["beta"],
+                                 alpha=inputs["alpha"], initial_state=inputs["initial_state"])
+    torch.testing.assert_close(o2, o, rtol=0, atol=0)
+    # backward through a negative-bit tensor that requires grad
+    zq = torch.complex(torch.zeros_like(inputs["q"]), -inputs["q"]).requires_grad_()
+    qn = zq.conj().imag
+    o3, _ = gt.gated_delta_rule(qn, leaves[1], leaves[2], beta=inputs["beta"],
+                                alpha=inputs["alpha"], initial_state=inputs["initial_state"])
+    o3.square().sum().backward()
+    ref_q = inputs["q"].clone().requires_grad_()
+    o4, _ = gt.gated_delta_rule(ref_q, inputs["k"], inputs["v"], beta=inputs["beta"],
+                                alpha=inputs["alpha"], initial_state=inputs["initial_state"])
+    o4.square().sum().backward()
+    # qn = imag(conj(z)) = -imag(z): the gradient reaches imag(z) with its sign flipped
+    torch.testing.assert_close(zq.grad.imag, -ref_q.grad, rtol=1e-12, atol=1e-12)

@@ -1,66 +1,184 @@
-"""The autograd Function: gdn_ext's C forward and backward on torch tensors (gdn_ext conventions).
+"""gdn_ext's C forward and backward as PyTorch custom operators (gdn_ext conventions).
 
-The forward keeps its state checkpoints for the backward when a gradient will be asked for, so
-training runs the recurrence forward once. Source of the math: S. Yang, J. Kautz, A. Hatamizadeh,
-"Gated Delta Networks: Improving Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), sec. 3.
+``torch.ops.gdn_ext.gated_delta_rule_fwd`` and ``torch.ops.gdn_ext.gated_delta_rule_bwd`` are
+registered with ``torch.library``: each has a fake (meta) implementation, so ``torch.compile``
+traces through them without graph breaks (``fullgraph=True`` works), and the forward has a
+registered autograd formula whose backward is the C backward pass. The forward keeps its state
+checkpoints for the backward when a gradient will be asked for, so training runs the recurrence
+forward once. Differentiating the gradient again (double backward, ``create_graph=True``) is
+computed through the torch reference loop (:mod:`gdn_ext.torch.reference`): correct, slow.
+
+Source of the math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2
+with Delta Rule", ICLR 2025 (arXiv:2412.06464), sec. 3.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+import numbers
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
+from .._native import _core
 from ..recurrence import gated_delta_rule as _np_forward
 from ..recurrence import gated_delta_rule_backward as _np_backward
+from .reference import reference_gated_delta_rule
 
 __all__ = ["gated_delta_rule"]
 
 
-def _to_numpy(t, name):
-    """A CPU float32/float64 tensor as a NumPy view (no copy; any strides)."""
+def _numpy(t: Optional[torch.Tensor]):
+    """A CPU tensor as a NumPy view (no copy unless it carries a conj / negative bit)."""
+    if t is None:
+        return None
+    return t.detach().resolve_conj().resolve_neg().numpy()
+
+
+def _state_shape(q, v, initial_state, cu_seqlens):
+    """The state's shape: initial_state's, else [N, (HV,) Dv, Dk] with N = B or the number of
+    packed sequences."""
+    if initial_state is not None:
+        return tuple(initial_state.shape)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    heads = () if q.dim() == 3 else (v.shape[2],)
+    return (N,) + heads + (v.shape[-1], q.shape[-1])
+
+
+def _ckpt_count(T) -> int:
+    """Checkpoint slots the forward returns: checkpoint_count of the whole (packed) length, an
+    upper bound of every packed sequence's own count, so that the shape depends on T only."""
+    return int(_core.checkpoint_count(int(T)))
+
+
+def _gate_kw(gate, gate_is_log):
+    return {"g": gate} if gate_is_log else {"alpha": gate}
+
+
+@torch.library.custom_op("gdn_ext::gated_delta_rule_fwd", mutates_args=(), device_types="cpu")
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+            gate: torch.Tensor, initial_state: Optional[torch.Tensor], scale: float,
+            gate_is_log: bool, normalize_qk: bool, cu_seqlens: Optional[torch.Tensor],
+            keep_checkpoints: bool, num_threads: int,
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, S_T, checkpoints): checkpoints [..., NCK, Dv, Dk] with NCK = checkpoint_count(T)
+    (zeros past a packed sequence's own count), or an empty tensor when not kept."""
+    out = _np_forward(_numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
+                      **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
+                      scale=scale, normalize_qk=normalize_qk, cu_seqlens=_numpy(cu_seqlens),
+                      num_threads=num_threads or None, return_checkpoints=keep_checkpoints)
+    o, S_T = torch.from_numpy(out[0]), torch.from_numpy(out[1])
+    if not keep_checkpoints:
+        return o, S_T, q.new_empty((0,))
+    ck = out[2]
+    nck = _ckpt_count(q.shape[1])
+    if ck.shape[-3] != nck:                      # packed: pad to the fixed count
+        full = np.zeros(ck.shape[:-3] + (nck,) + ck.shape[-2:], ck.dtype)
+        full[..., :ck.shape[-3], :, :] = ck
+        ck = full
+    return o, S_T, torch.from_numpy(ck)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, beta, gate, initial_state, scale, gate_is_log, normalize_qk, cu_seqlens,
+      keep_checkpoints, num_threads):
+    S = _state_shape(q, v, initial_state, cu_seqlens)
+    ck = (S[:-2] + (_ckpt_count(q.shape[1]),) + S[-2:]) if keep_checkpoints else (0,)
+    return v.new_empty(v.shape), v.new_empty(S), v.new_empty(ck)
+
+
+@torch.library.custom_op("gdn_ext::gated_delta_rule_bwd", mutates_args=(), device_types="cpu")
+def _bwd_op(do: torch.Tensor, dS_T: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor, beta: torch.Tensor, gate: torch.Tensor,
+            initial_state: Optional[torch.Tensor], checkpoints: Optional[torch.Tensor],
+            scale: float, gate_is_log: bool, normalize_qk: bool,
+            cu_seqlens: Optional[torch.Tensor], num_threads: int) -> List[torch.Tensor]:
+    """[dq, dk, dv, dbeta, dgate, d_initial_state] (the last one shaped as the state)."""
+    ck = _numpy(checkpoints)
+    cu = _numpy(cu_seqlens)
+    if ck is not None and cu is not None:        # back to the packed sequences' own count
+        longest = int(np.max(np.diff(cu))) if cu.size > 1 else 0
+        ck = ck[..., :int(_core.checkpoint_count(longest)), :, :]
+    g = _np_backward(_numpy(do), _numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
+                     **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
+                     dS_T=_numpy(dS_T), scale=scale, normalize_qk=normalize_qk, cu_seqlens=cu,
+                     num_threads=num_threads or None, checkpoints=ck)
+    return [torch.from_numpy(np.ascontiguousarray(x)) for x in g]
+
+
+@_bwd_op.register_fake
+def _(do, dS_T, q, k, v, beta, gate, initial_state, checkpoints, scale, gate_is_log,
+      normalize_qk, cu_seqlens, num_threads):
+    S = _state_shape(q, v, initial_state, cu_seqlens)
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            beta.new_empty(beta.shape), gate.new_empty(gate.shape), v.new_empty(S)]
+
+
+_INPUTS = ("q", "k", "v", "beta", "gate", "initial_state")
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, beta, gate, initial_state, scale, gate_is_log, normalize_qk, cu_seqlens,
+     keep_checkpoints, num_threads) = inputs
+    ckpt = output[2] if keep_checkpoints else None
+    ctx.save_for_backward(q, k, v, beta, gate, initial_state, cu_seqlens, ckpt)
+    ctx.opts = (scale, gate_is_log, normalize_qk, num_threads)
+
+
+def _backward(ctx, do, dS_T, _dckpt):
+    q, k, v, beta, gate, initial_state, cu_seqlens, ckpt = ctx.saved_tensors
+    scale, gate_is_log, normalize_qk, num_threads = ctx.opts
+    inputs = (q, k, v, beta, gate, initial_state)
+    if do is None:
+        do = torch.zeros_like(v)
+    if torch.is_grad_enabled():
+        # create_graph=True: the gradient must itself be differentiable; the torch loop is
+        return _differentiable_backward(ctx, inputs, do, dS_T, scale, gate_is_log,
+                                        normalize_qk, cu_seqlens)
+    grads = torch.ops.gdn_ext.gated_delta_rule_bwd(
+        do, dS_T, q, k, v, beta, gate, initial_state, ckpt, scale, gate_is_log, normalize_qk,
+        cu_seqlens, num_threads)
+    grads = list(grads)
+    if initial_state is None:
+        grads[5] = None
+    return tuple(grads) + (None,) * 6
+
+
+def _differentiable_backward(ctx, inputs, do, dS_T, scale, gate_is_log, normalize_qk,
+                             cu_seqlens):
+    """The gradients as torch operations (the reference loop under autograd), so that a second
+    derivative flows through them."""
+    q, k, v, beta, gate, initial_state = inputs
+    wanted = [i for i, t in enumerate(inputs)
+              if t is not None and ctx.needs_input_grad[i]]
+    with torch.enable_grad():
+        o, S_T = reference_gated_delta_rule(
+            q, k, v, beta=beta, **({"g": gate} if gate_is_log else {"alpha": gate}),
+            initial_state=initial_state, scale=scale, normalize_qk=normalize_qk,
+            cu_seqlens=None if cu_seqlens is None else cu_seqlens.tolist())
+        pairs = [(x, dx) for x, dx in ((o, do), (S_T, dS_T))
+                 if dx is not None and x.requires_grad]
+        if not pairs:
+            got = [None] * len(wanted)
+        else:
+            got = torch.autograd.grad([x for x, _ in pairs], [inputs[i] for i in wanted],
+                                      [dx for _, dx in pairs], create_graph=True,
+                                      allow_unused=True)
+    result = [None] * 6
+    for i, g in zip(wanted, got):
+        result[i] = torch.zeros_like(inputs[i]) if g is None else g
+    return tuple(result) + (None,) * 6
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_tensor(t, name):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}: gdn_ext runs on the CPU; move it with .cpu()")
     if t.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"{name} must be float32 or float64; got {t.dtype}")
-    return t.detach().resolve_conj().resolve_neg().numpy()
-
-
-class _GatedDeltaRule(torch.autograd.Function):
-    """Forward and backward through gdn_ext's C kernels (gdn_ext conventions)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, beta, gate, initial_state, opts):
-        arrays = [_to_numpy(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (beta, "beta"),
-                                                (gate, opts["gate_name"]))]
-        s0 = None if initial_state is None else _to_numpy(initial_state, "initial_state")
-        # when a gradient will be asked for, keep the forward's checkpoints: the backward then
-        # runs the recurrence forward once less (about sqrt(T) states per sequence and head)
-        keep = opts["grad"] and any(ctx.needs_input_grad)
-        out = _np_forward(*arrays[:3], beta=arrays[3], initial_state=s0,
-                          **{opts["gate_name"]: arrays[4]}, **opts["call"],
-                          return_checkpoints=keep)
-        ctx.ckpt = out[2] if keep else None
-        ctx.save_for_backward(q, k, v, beta, gate, initial_state)
-        ctx.opts = opts
-        return torch.from_numpy(out[0]), torch.from_numpy(out[1])
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do, dS_T):
-        q, k, v, beta, gate, initial_state = ctx.saved_tensors
-        opts = ctx.opts
-        arrays = [t.detach().numpy() for t in (q, k, v, beta, gate)]
-        s0 = None if initial_state is None else initial_state.detach().numpy()
-        grads = _np_backward(do.detach().numpy(), *arrays[:3], beta=arrays[3], initial_state=s0,
-                             dS_T=None if dS_T is None else dS_T.detach().numpy(),
-                             **{opts["gate_name"]: arrays[4]}, **opts["call"],
-                             checkpoints=ctx.ckpt)
-        dq, dk, dv, dbeta, dgate, dS0 = (torch.from_numpy(np.ascontiguousarray(g)) for g in grads)
-        return dq, dk, dv, dbeta, dgate, (None if initial_state is None else dS0), None
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: torch.Tensor,
@@ -72,22 +190,22 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`gdn_ext.gated_delta_rule` on torch tensors, differentiable (autograd).
 
-    Tensors: CPU, float32 or float64 (all the same dtype), any strides, ``requires_grad`` on any
-    subset. Shapes and conventions are gdn_ext's: q, k [B, T, H, Dk]; v [B, T, HV, Dv]; beta
-    [B, T, HV]; alpha or g [B, T, HV] or [B, T, HV, Dk]; initial_state [B, HV, Dv, Dk] (packed:
-    [N, HV, Dv, Dk]); the single-head form; ``scale`` default 1; ``normalize_qk``;
-    ``cu_seqlens`` (a tensor or sequence of ints, with B = 1).
+    Tensors: CPU, float32 or float64 (all the same dtype), any strides, storage offsets and
+    conj / negative bits, ``requires_grad`` on any subset. Shapes and conventions are gdn_ext's:
+    q, k [B, T, H, Dk]; v [B, T, HV, Dv]; beta [B, T, HV]; alpha or g [B, T, HV] or
+    [B, T, HV, Dk]; initial_state [B, HV, Dv, Dk] (packed: [N, HV, Dv, Dk]); the single-head
+    form; ``scale`` default 1; ``normalize_qk``; ``cu_seqlens`` (a tensor or sequence of ints,
+    with B = 1).
 
     Returns (o, S_T): o [B, T, HV, Dv], S_T shaped as the state (None when output_final_state is
-    False). Gradients reach every tensor input (the backward is gdn_ext's C backward pass over
-    time). Double backward is not supported (torch's ``once_differentiable``): differentiating a
-    gradient raises RuntimeError, or, through ``torch.autograd.grad(..., allow_unused=True)``,
-    gives None where the second derivative is not zero -- do not rely on it. The kernels run
-    outside torch, so ``torch.func`` transforms (vmap, grad) do not apply and ``torch.compile``
-    breaks the graph around the call.
+    False). Gradients reach every tensor input through gdn_ext's C backward pass over time;
+    second derivatives (``create_graph=True``, ``gradgradcheck``) go through the torch reference
+    loop instead (correct, slow). Runs as the custom operators ``torch.ops.gdn_ext.*``, so
+    ``torch.compile(fullgraph=True)`` traces it; ``torch.func`` transforms (vmap) do not apply.
 
     Raises: ValueError for a tensor not on the CPU and for the shape errors of
-    :func:`gdn_ext.gated_delta_rule`; TypeError for another dtype or a non-tensor input.
+    :func:`gdn_ext.gated_delta_rule` (in its names); TypeError for another dtype, a non-tensor
+    input, mixed dtypes.
 
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025 (arXiv:2412.06464), sec. 3.
     """
@@ -99,16 +217,21 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     if initial_state is not None:
         tensors["initial_state"] = initial_state
     for name, t in tensors.items():
-        _to_numpy(t, name)
+        _check_tensor(t, name)
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) > 1:
         raise TypeError("q, k, v, beta, the gate and initial_state must share one dtype; got "
                         + ", ".join(f"{n} {t.dtype}" for n, t in tensors.items()))
-    if isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = cu_seqlens.detach().cpu().numpy()
-    opts = {"gate_name": gate_name, "grad": torch.is_grad_enabled(),
-            "call": dict(scale=scale, normalize_qk=normalize_qk, cu_seqlens=cu_seqlens,
-                         num_threads=num_threads)}
-    o, S_T = _GatedDeltaRule.apply(q, k, v, beta, gate, initial_state, opts)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.as_tensor(cu_seqlens, device="cpu")
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex:
+            raise TypeError(f"cu_seqlens must be an integer tensor [N + 1]; got "
+                            f"{cu_seqlens.dtype}")
+        cu_seqlens = cu_seqlens.to(torch.int64)
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a real number; got {type(scale).__name__}")
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
+    o, S_T, _ = torch.ops.gdn_ext.gated_delta_rule_fwd(
+        q, k, v, beta, gate, initial_state, float(scale), gate_name == "g", bool(normalize_qk),
+        cu_seqlens, keep, 0 if num_threads is None else int(num_threads))
     return o, (S_T if output_final_state else None)
-

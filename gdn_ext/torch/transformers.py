@@ -1,8 +1,30 @@
 """The transformers patch: Qwen3-Next's (and alike) gated delta rule fallbacks replaced by
 gdn_ext's drop-ins for the length of a ``with`` block."""
+import functools
+
 from .fla import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-__all__ = ["patch_transformers"]
+__all__ = ["patch_transformers", "TRANSFORMERS_KWARGS"]
+
+# What transformers' layers pass on to the gated delta rule in **kwargs (its TransformersKwargs
+# and the model call's flags, use_cache seen from Qwen3-Next: bookkeeping that does not change
+# this op's result; cu_seq_lens_q is turned into cu_seqlens by the layer itself). The patch drops these before calling the drop-ins, which
+# refuse unknown keywords.
+TRANSFORMERS_KWARGS = frozenset({
+    "num_items_in_batch", "output_hidden_states", "output_attentions", "output_router_logits",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids",
+    "is_causal", "seq_idx", "use_cache", "return_dict", "cache_position"})
+
+
+def _from_transformers(fn):
+    """``fn`` called as transformers calls its fallbacks: their keyword ``chunk_size`` kept,
+    TransformersKwargs dropped; transformers' positional order (q, k, v, g, beta)."""
+    @functools.wraps(fn)
+    def call(query, key, value, g=None, beta=None, **kwargs):
+        for name in TRANSFORMERS_KWARGS & kwargs.keys():
+            del kwargs[name]
+        return fn(query, key, value, g=g, beta=beta, **kwargs)
+    return call
 
 
 def patch_transformers(module=None):
@@ -27,5 +49,6 @@ def patch_transformers(module=None):
     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
         if not hasattr(module, name):
             raise AttributeError(f"{module.__name__} has no {name} to replace")
-    return mock.patch.multiple(module, torch_chunk_gated_delta_rule=chunk_gated_delta_rule,
-                               torch_recurrent_gated_delta_rule=fused_recurrent_gated_delta_rule)
+    return mock.patch.multiple(
+        module, torch_chunk_gated_delta_rule=_from_transformers(chunk_gated_delta_rule),
+        torch_recurrent_gated_delta_rule=_from_transformers(fused_recurrent_gated_delta_rule))
