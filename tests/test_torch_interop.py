@@ -453,3 +453,159 @@ def test_negative_and_conjugate_bits_strides_offsets():
     o4.square().sum().backward()
     # qn = imag(conj(z)) = -imag(z): the gradient reaches imag(z) with its sign flipped
     torch.testing.assert_close(zq.grad.imag, -ref_q.grad, rtol=1e-12, atol=1e-12)
+
+
+# ---- double backward, custom operators, torch.compile -------------------------------------------
+
+@pytest.mark.parametrize("case", ["alpha", "per_key", "grouped", "normalize", "varlen"])
+def test_double_backward_is_correct(case):
+    """gradgradcheck passes; the issue's case (k's gradient through dq) is not zero and equals
+    the torch loop's."""
+    make, call = GRADCHECK_CASES[case]
+    inputs = _inputs(31, **dict(dict(T=4, Dk=3, Dv=2), **make))
+    names = [n for n in ("q", "k", "v", "beta", "alpha", "g", "initial_state") if n in inputs]
+    leaves = {n: inputs[n].clone().requires_grad_() for n in names}
+
+    def f(*xs):
+        kw = dict(zip(names, xs))
+        o, S = gt.gated_delta_rule(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw, **call)
+        return o, S
+
+    assert torch.autograd.gradgradcheck(f, tuple(leaves[n] for n in names), atol=1e-6)
+
+    def second(fn):
+        xs = {n: inputs[n].clone().requires_grad_() for n in names}
+        o, _ = fn(xs)
+        (gq,) = torch.autograd.grad(o.square().sum(), xs["q"], create_graph=True)
+        (gq ** 2).sum().backward()
+        return xs["k"].grad
+
+    ours = second(lambda xs: gt.gated_delta_rule(xs["q"], xs["k"], xs["v"], **{
+        n: xs[n] for n in names if n not in "qkv"}, **call))
+    ref = second(lambda xs: gt.reference_gated_delta_rule(xs["q"], xs["k"], xs["v"], **{
+        n: xs[n] for n in names if n not in "qkv"}, **call))
+    assert ours.abs().max() > 0
+    torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-10)
+
+
+def test_opcheck_passes():
+    inputs = _inputs(41, T=5, gate="g")
+    fwd = torch.ops.gdn_ext.gated_delta_rule_fwd
+    for keep in (False, True):
+        args = (inputs["q"], inputs["k"], inputs["v"], inputs["beta"], inputs["g"],
+                inputs["initial_state"], 0.5, True, False, None, keep, 0)
+        torch.library.opcheck(fwd, args)
+        grads_args = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a
+                      for a in args]
+        torch.library.opcheck(fwd, tuple(grads_args))
+    packed = _inputs(42, B=1, T=8, cu=[0, 3, 3, 8], gate="g")
+    torch.library.opcheck(fwd, (packed["q"], packed["k"], packed["v"], packed["beta"],
+                                packed["g"], packed["initial_state"], 1.0, True, True,
+                                torch.tensor([0, 3, 3, 8]), True, 0))
+    o, S, ck = fwd(*args)
+    bwd = torch.ops.gdn_ext.gated_delta_rule_bwd
+    torch.library.opcheck(bwd, (torch.ones_like(o), torch.ones_like(S), inputs["q"], inputs["k"],
+                                inputs["v"], inputs["beta"], inputs["g"],
+                                inputs["initial_state"], ck, 0.5, True, False, None, 0))
+
+
+def test_torch_compile_fullgraph():
+    """A module that calls the drop-in traces in one graph and gives the eager numbers and
+    gradients."""
+    q, k, v, gl, beta, h0 = _fla_inputs(43, B=2, T=12, H=2, HV=4, K=8, V=6, dtype=torch.float32)
+
+    class Mixer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(6))
+
+        def forward(self, q, k, v, g, beta, h0):
+            o, ht = gt.chunk_gated_delta_rule(q, k, v * self.w, g, beta, initial_state=h0,
+                                              output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
+            return o.sum(-1), ht
+
+    m = Mixer()
+    eager = m(q, k, v, gl, beta, h0)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v, gl, beta, h0)
+    torch.testing.assert_close(got[0], eager[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], eager[1], rtol=1e-6, atol=1e-6)
+    got[0].sum().backward()
+    g_c = m.w.grad.clone()
+    m.w.grad = None
+    eager[0].sum().backward()
+    torch.testing.assert_close(g_c, m.w.grad, rtol=1e-5, atol=1e-5)
+
+
+# ---- the nn.Module layer against transformers' Qwen3-Next layer ----------------------------------
+
+def _qwen3_layer(dtype, HK=2, HV=4):
+    from transformers import Qwen3NextConfig
+    cfg = Qwen3NextConfig(hidden_size=32, linear_num_key_heads=HK, linear_num_value_heads=HV,
+                          linear_key_head_dim=8, linear_value_head_dim=6,
+                          linear_conv_kernel_dim=4, num_hidden_layers=1,
+                          layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    theirs = qwen3_next.Qwen3NextGatedDeltaNet(cfg, 0).to(dtype)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        theirs.A_log.copy_(torch.linspace(-2, 1, HV, dtype=dtype))
+    ours = gt.GatedDeltaNet.from_config(cfg, dtype=dtype)
+    ours.load_state_dict(theirs.state_dict())
+    return cfg, ours, theirs
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-6), (torch.float32, 2e-4)])
+@pytest.mark.parametrize("HK", [1, 2, 4])
+def test_layer_matches_transformers_qwen3_next(dtype, tol, HK):
+    """Same weights (load_state_dict of theirs), same outputs and gradients of x and of every
+    parameter (their float32 norm and gate bound the float64 agreement)."""
+    _, ours, theirs = _qwen3_layer(dtype, HK=HK)
+    x = torch.randn(2, 11, 32, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    patch = contextlib.nullcontext() if dtype == torch.float32 else mock.patch.multiple(
+        qwen3_next,
+        torch_chunk_gated_delta_rule=_in_float64(qwen3_next.torch_chunk_gated_delta_rule))
+    with patch:
+        y_t = theirs(xb)
+    y, state = ours(xa)
+    scale = y_t.abs().max()
+    torch.testing.assert_close(y / scale, y_t / scale, rtol=tol, atol=tol)
+    w = torch.randn_like(y)
+    (y * w).sum().backward()
+    (y_t * w).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=10 * tol, atol=10 * tol * xb.grad.abs().max())
+    for (n, p), (n2, p2) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert n == n2
+        s = p2.grad.abs().max()
+        torch.testing.assert_close(p.grad / s, p2.grad / s, rtol=10 * tol, atol=10 * tol, msg=n)
+
+
+def test_layer_decodes_token_by_token_as_one_call():
+    """Prefill then one token at a time, carrying the state, gives the one call's outputs and
+    final state; a mask zeroes padded inputs; bad shapes are refused."""
+    _, layer, _ = _qwen3_layer(torch.float64)
+    x = torch.randn(2, 9, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y, state = layer(x)
+        y1, st = layer(x[:, :5])
+        ys = [y1]
+        for t in range(5, 9):
+            yt, st = layer(x[:, t:t + 1], st)
+            ys.append(yt)
+    torch.testing.assert_close(torch.cat(ys, 1), y, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(st.recurrent, state.recurrent, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(st.conv, state.conv, rtol=1e-12, atol=1e-13)
+    mask = torch.ones(2, 9, dtype=torch.float64)
+    mask[:, :3] = 0
+    with torch.no_grad():
+        ym, _ = layer(x, attention_mask=mask)
+        yz, _ = layer(x * mask[:, :, None])
+    torch.testing.assert_close(ym, yz, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"x must be a tensor of shape \[B, T, D\]"):
+        layer(x[0])
+    with pytest.raises(ValueError, match="state must hold"):
+        layer(x, gt.GatedDeltaNetState(state.conv[:1], state.recurrent))

@@ -1,0 +1,149 @@
+"""The Gated DeltaNet layer as real models build it, as a ``torch.nn.Module`` on gdn_ext's kernels.
+
+Input projections to q, k, v, the output gate z and the gate inputs a, b; a short causal
+depthwise convolution (with SiLU) over q, k, v; beta = sigmoid(b) and the log decay
+g = -exp(A_log) * softplus(a + dt_bias) (Mamba2's parameterisation); the gated delta rule with
+L2-normalised q, k and scale K ** -0.5; a gated RMSNorm (RMSNorm(o) * SiLU(z)) and the output
+projection. This is flash-linear-attention's ``GatedDeltaNet`` layer and transformers'
+``Qwen3NextGatedDeltaNet``; parameter names, shapes and the packing of the projections follow
+the latter, so ``load_state_dict`` takes a Qwen3-Next layer's weights unchanged.
+
+Sources: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
+Rule", ICLR 2025 (arXiv:2412.06464), sections 3-4; Qwen3-Next (transformers'
+``models/qwen3_next/modeling_qwen3_next.py``).
+"""
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fla import chunk_gated_delta_rule
+
+__all__ = ["GatedDeltaNet", "GatedDeltaNetState"]
+
+GatedDeltaNetState = namedtuple("GatedDeltaNetState", ["conv", "recurrent"])
+GatedDeltaNetState.__doc__ = """The layer's state between calls (decoding): ``conv`` [B, C,
+kernel - 1], the last inputs of the causal convolution (C = 2 H K + HV V channels), and
+``recurrent`` [B, HV, K, V], the gated delta rule's state (flash-linear-attention's layout)."""
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer: ``y, state = layer(x, state=None)``.
+
+    Args:
+      hidden_size: D, the model width.
+      num_k_heads: H, query / key heads; num_v_heads: HV, value heads (a multiple of H; value
+        head hv reads query / key head hv // (HV / H)).
+      head_k_dim: K; head_v_dim: V.
+      conv_kernel_size: width of the causal convolution (4 in Qwen3-Next).
+      rms_norm_eps: epsilon of the gated RMSNorm.
+      dtype, device: of the parameters (CPU; float32 or float64 for the kernels).
+
+    ``forward(x, state=None, attention_mask=None)``: x [B, T, D]; state a
+    :class:`GatedDeltaNetState` from the previous call (None: zeros, the start of a sequence);
+    attention_mask [B, T] of 0 / 1 zeroes padded tokens' inputs (transformers' convention).
+    Returns (y [B, T, D], the new state). Feeding a sequence in pieces (prefill, then one token at
+    a time) gives what one call gives, up to rounding. Gradients reach x and every parameter.
+    Raises ValueError for an x that is not [B, T, D] or a state of the wrong shapes.
+    """
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
+                 dtype: Optional[torch.dtype] = None, device=None):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads must be a multiple of num_k_heads; got "
+                             f"{num_v_heads} and {num_k_heads}")
+        kw = dict(dtype=dtype, device=device)
+        self.hidden_size, self.num_k_heads, self.num_v_heads = hidden_size, num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = head_k_dim * num_k_heads, head_v_dim * num_v_heads
+        self.conv_kernel_size, self.rms_norm_eps = conv_kernel_size, rms_norm_eps
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, bias=False,
+                                groups=self.conv_dim, padding=conv_kernel_size - 1, **kw)
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim,
+                                      bias=False, **kw)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False, **kw)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads, **kw))
+        self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads, **kw).uniform_(1, 16)))
+        self.norm = _GatedRMSNorm(head_v_dim, rms_norm_eps, **kw)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
+
+    @classmethod
+    def from_config(cls, config, **kw) -> "GatedDeltaNet":
+        """A layer sized as a transformers Qwen3-Next config's linear-attention layers."""
+        return cls(config.hidden_size, config.linear_num_key_heads,
+                   config.linear_num_value_heads, config.linear_key_head_dim,
+                   config.linear_value_head_dim, config.linear_conv_kernel_dim,
+                   config.rms_norm_eps, **kw)
+
+    def _split(self, qkvz, ba):
+        """Qwen3-Next's packing: per key head, [q, k, the group's v, the group's z] and
+        [the group's b, the group's a]."""
+        B, T = qkvz.shape[:2]
+        H, G = self.num_k_heads, self.num_v_heads // self.num_k_heads
+        K, V = self.head_k_dim, self.head_v_dim
+        q, k, v, z = torch.split(qkvz.view(B, T, H, 2 * K + 2 * G * V), [K, K, G * V, G * V], 3)
+        b, a = torch.split(ba.view(B, T, H, 2 * G), [G, G], 3)
+        return (q, k, v.reshape(B, T, H * G, V), z.reshape(B, T, H * G, V),
+                b.reshape(B, T, H * G), a.reshape(B, T, H * G))
+
+    def forward(self, x: torch.Tensor, state: Optional[GatedDeltaNetState] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                ) -> Tuple[torch.Tensor, GatedDeltaNetState]:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be a tensor of shape [B, T, D] with D = {self.hidden_size}; "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+        B, T, _ = x.shape
+        H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if attention_mask is not None:
+            x = (x * attention_mask[:, :, None]).to(x.dtype)
+        if state is None:
+            conv = x.new_zeros((B, self.conv_dim, self.conv_kernel_size - 1))
+            recurrent = None
+        else:
+            conv, recurrent = state
+            want = (B, self.conv_dim, self.conv_kernel_size - 1)
+            if tuple(conv.shape) != want or tuple(recurrent.shape) != (B, HV, K, V):
+                raise ValueError(f"state must hold conv [B, C, kernel - 1] = {list(want)} and "
+                                 f"recurrent [B, HV, K, V] = {[B, HV, K, V]}; got "
+                                 f"{list(conv.shape)} and {list(recurrent.shape)}")
+        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], -1)
+        # causal depthwise convolution over [the previous kernel - 1 inputs, this call's]
+        padded = torch.cat([conv.to(mixed.dtype), mixed.transpose(1, 2)], -1)
+        new_conv = padded[:, :, padded.shape[-1] - (self.conv_kernel_size - 1):]
+        mixed = F.silu(F.conv1d(padded, self.conv1d.weight, None, groups=self.conv_dim))
+        q, k, v = torch.split(mixed.transpose(1, 2), [self.key_dim, self.key_dim,
+                                                      self.value_dim], -1)
+        q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
+        beta = b.sigmoid()
+        wide = torch.promote_types(a.dtype, torch.float32)   # a half model's gate in float32
+        g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
+        o, recurrent = chunk_gated_delta_rule(
+            q, k, v, g, beta, scale=1 / math.sqrt(K), initial_state=recurrent,
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o = self.norm(o.reshape(-1, V), z.reshape(-1, V)).reshape(B, T, HV * V)
+        return self.out_proj(o), GatedDeltaNetState(new_conv, recurrent)
+
+
+class _GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * SiLU(gate) per value head (weight [V]), computed in float32 at least."""
+
+    def __init__(self, dim, eps, dtype=None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.variance_epsilon = eps
+
+    def forward(self, x, gate):
+        dt = x.dtype
+        x = x.to(torch.promote_types(dt, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        x = self.weight * x.to(dt)
+        return (x * F.silu(gate.to(x.dtype))).to(dt)
