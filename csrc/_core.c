@@ -118,17 +118,197 @@ static int check_packed(const char *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, npy_intp
     return ck ? check_ckpt_count(dims[6], *max_len) : 0;
 }
 
-/* Threads for a call over `items` work items: this OS thread's request (call_threads), else
- * OpenMP's default under the busy-machine cap (gdn_capped_threads). */
-#define TEAM(items) gdn_capped_threads(gdn_threads_for(items, call_threads), call_threads)
+/* In a child made by fork() after the parent ran a parallel region, the OpenMP runtime's
+ * threads are gone but the runtime does not know it: a parallel region with more than one thread
+ * never returns. A child therefore runs every call on one thread. */
+static volatile int forked_child = 0;
+#if !defined(_WIN32)
+static void after_fork_in_child(void) { forked_child = 1; }
+#endif
 
-/* Runs the kernel over nt threads' workspace of len elements each; NULL workspace: error set. */
-#define RUN_WITH_WORKSPACE(REAL, nt, len, call)                                                  \
+/* Threads for a call over `items` work items: one in a forked child; this OS thread's request
+ * (call_threads), else OpenMP's default under the busy-machine cap (gdn_capped_threads). */
+#define TEAM(items) (forked_child ? 1                                                            \
+                     : gdn_capped_threads(gdn_threads_for(items, call_threads), call_threads))
+
+/* ---- exact aliases of outputs and inputs --------------------------------------------------
+ * NumPy copies an input that partly overlaps an output, but passes one that is exactly an output
+ * (same memory, same strides) through, assuming element-wise access. The kernels are not
+ * element-wise (they read inputs of later steps after writing outputs of earlier ones), so such
+ * an input is copied here first. The one exception is the forward's S_0 given as S_T's memory
+ * (gated_delta_rule_step(inplace=True)): each state row is read whole before it is written. */
+
+/* The byte range [*lo, *hi) operand i touches; empty (lo == hi) when a dimension is 0. */
+static void operand_range(const char *base, const op_strides *p, const int *cd, int nd,
+                          const npy_intp *dims, size_t is, const char **lo, const char **hi)
+{
+    ptrdiff_t a = 0, b = 0;
+    const npy_intp counts[5] = {dims[0], nd > 0 ? dims[cd[0]] : 1, nd > 1 ? dims[cd[1]] : 1,
+                                nd > 2 ? dims[cd[2]] : 1, nd > 3 ? dims[cd[3]] : 1};
+    const ptrdiff_t strides[5] = {p->n, p->c[0], p->c[1], p->c[2], p->c[3]};
+    *lo = *hi = base;
+    for (int d = 0; d < 5; d++) {
+        if (counts[d] == 0) return;
+        const ptrdiff_t e = (ptrdiff_t)(counts[d] - 1) * strides[d];
+        if (e < 0) a += e; else b += e;
+    }
+    *lo = base + a * (ptrdiff_t)is;
+    *hi = base + (b + 1) * (ptrdiff_t)is;
+}
+
+/* Copies input i (outer dimension and nd core dimensions, item size is) into a new contiguous
+ * buffer and points args[i] / p[i] at it; NULL with MemoryError set on failure. */
+static void *copy_operand(char **args, op_strides *p, int i, const int *cd, int nd,
+                          const npy_intp *dims, size_t is)
+{
+    npy_intp counts[5] = {dims[0], 1, 1, 1, 1};
+    ptrdiff_t src[5] = {p[i].n, 0, 0, 0, 0}, dst[5];
+    for (int d = 0; d < nd; d++) {
+        counts[d + 1] = dims[cd[d]];
+        src[d + 1] = p[i].c[d];
+    }
+    size_t total = 1;
+    for (int d = 4; d >= 0; d--) {
+        dst[d] = (ptrdiff_t)total;
+        total *= (size_t)counts[d];
+    }
+    char *buf = PyMem_RawMalloc(total ? total * is : 1);
+    if (buf == NULL) {
+        raise_from_loop(PyExc_MemoryError, "gdn_ext: cannot copy an input that aliases an output");
+        return NULL;
+    }
+    for (npy_intp a = 0; a < counts[0]; a++)
+        for (npy_intp b = 0; b < counts[1]; b++)
+            for (npy_intp c = 0; c < counts[2]; c++)
+                for (npy_intp d = 0; d < counts[3]; d++)
+                    for (npy_intp e = 0; e < counts[4]; e++)
+                        memcpy(buf + (a * dst[0] + b * dst[1] + c * dst[2] + d * dst[3] + e) * is,
+                               args[i] + (a * src[0] + b * src[1] + c * src[2] + d * src[3]
+                                          + e * src[4]) * (ptrdiff_t)is, is);
+    args[i] = buf;
+    p[i].n = dst[0];
+    for (int d = 0; d < nd; d++) p[i].c[d] = dst[d + 1];
+    return buf;
+}
+
+/* Inputs 0 .. nin - 1 that overlap an output nin .. nops - 1 are copied (tmp[i] the copy, to
+ * free); keep_in / keep_out: an exact alias pair left alone (-1: none). -1 on error. */
+static int unalias_inputs(char **args, op_strides *p, const int *nd, const int (*cd)[4],
+                          const size_t *is, const npy_intp *dims, int nin, int nops, int keep_in,
+                          int keep_out, void **tmp)
+{
+    for (int i = 0; i < nin; i++) tmp[i] = NULL;
+    for (int i = 0; i < nin; i++) {
+        const char *lo, *hi;
+        operand_range(args[i], &p[i], cd[i], nd[i], dims, is[i], &lo, &hi);
+        if (lo == hi) continue;
+        for (int j = nin; j < nops; j++) {
+            const char *olo, *ohi;
+            operand_range(args[j], &p[j], cd[j], nd[j], dims, is[j], &olo, &ohi);
+            if (olo == ohi || ohi <= lo || hi <= olo) continue;
+            if (i == keep_in && j == keep_out && args[i] == args[j]
+                && memcmp(&p[i], &p[j], sizeof(op_strides)) == 0)
+                continue;
+            if ((tmp[i] = copy_operand(args, p, i, cd[i], nd[i], dims, is[i])) == NULL) return -1;
+            break;
+        }
+    }
+    return 0;
+}
+
+static void free_copies(void **tmp, int n)
+{
+    for (int i = 0; i < n; i++) PyMem_RawFree(tmp[i]);
+}
+
+/* ---- Ctrl-C during long calls --------------------------------------------------------------
+ * While a call of at least GDN_WATCH_MIN_WORK multiply-adds runs, a SIGINT handler sets
+ * gdn_cancel_requested (the kernels stop within a block of tokens) and passes the signal on to
+ * the handler it replaced (Python's, which then raises KeyboardInterrupt). POSIX only. */
+#define GDN_WATCH_MIN_WORK 1e7
+#if !defined(_WIN32)
+#include <pthread.h>
+static pthread_mutex_t watch_lock = PTHREAD_MUTEX_INITIALIZER;
+static int watchers = 0;
+static struct sigaction replaced;
+
+static void on_sigint(int sig, siginfo_t *info, void *context)
+{
+    gdn_cancel_requested = 1;
+    if (replaced.sa_flags & SA_SIGINFO) {
+        if (replaced.sa_sigaction != NULL) replaced.sa_sigaction(sig, info, context);
+    } else if (replaced.sa_handler != SIG_DFL && replaced.sa_handler != SIG_IGN) {
+        replaced.sa_handler(sig);
+    }
+}
+
+/* 1 if this call now watches for SIGINT (undo with unwatch_interrupts), else 0. */
+static int watch_interrupts(double work)
+{
+    if (work < GDN_WATCH_MIN_WORK) return 0;
+    int on = 0;
+    pthread_mutex_lock(&watch_lock);
+    if (watchers > 0) {
+        on = 1;
+    } else {
+        struct sigaction current;
+        /* a handler to pass the signal to (Python's); with the default action Ctrl-C kills */
+        if (sigaction(SIGINT, NULL, &current) == 0 && (current.sa_flags & SA_SIGINFO
+                || (current.sa_handler != SIG_DFL && current.sa_handler != SIG_IGN))) {
+            struct sigaction sa;
+            memset(&sa, 0, sizeof sa);
+            sa.sa_sigaction = on_sigint;
+            sa.sa_flags = SA_SIGINFO | (current.sa_flags & (SA_ONSTACK | SA_RESTART));
+            sigemptyset(&sa.sa_mask);
+            gdn_cancel_requested = 0;
+            on = sigaction(SIGINT, &sa, &replaced) == 0;
+        }
+    }
+    watchers += on;
+    pthread_mutex_unlock(&watch_lock);
+    return on;
+}
+
+/* Stops watching; 1 if a SIGINT arrived while this call ran. */
+static int unwatch_interrupts(void)
+{
+    pthread_mutex_lock(&watch_lock);
+    const int hit = gdn_cancel_requested != 0;
+    if (--watchers == 0) {
+        sigaction(SIGINT, &replaced, NULL);
+        gdn_cancel_requested = 0;
+    }
+    pthread_mutex_unlock(&watch_lock);
+    return hit;
+}
+#else
+static int watch_interrupts(double work) { (void)work; return 0; }
+static int unwatch_interrupts(void) { return 0; }
+#endif
+
+/* After an interrupted call: Python's handler raises KeyboardInterrupt (main thread), or it is
+ * raised here (another thread), so that NumPy returns the error, not the half-written outputs. */
+static void raise_interrupt(void)
+{
+    NPY_ALLOW_C_API_DEF
+    NPY_ALLOW_C_API;
+    if (!PyErr_Occurred() && PyErr_CheckSignals() == 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_KeyboardInterrupt, "gdn_ext: interrupted");
+    NPY_DISABLE_C_API;
+}
+
+/* Runs the kernel over nt threads' workspace of len elements each (NULL workspace: error set),
+ * watching for Ctrl-C when the call does `work` multiply-adds or more; frees the input copies. */
+#define RUN_WITH_WORKSPACE(REAL, nt, len, work, tmp, ntmp, call)                                 \
     do {                                                                                         \
         REAL *ws = alloc_workspace(nt, len, sizeof(REAL));                                       \
-        if (ws == NULL) return;                                                                  \
-        call;                                                                                    \
-        PyMem_RawFree(ws);                                                                       \
+        if (ws != NULL) {                                                                        \
+            const int watching = watch_interrupts(work);                                         \
+            call;                                                                                \
+            if (watching && unwatch_interrupts()) raise_interrupt();                             \
+            PyMem_RawFree(ws);                                                                   \
+        }                                                                                        \
+        free_copies(tmp, ntmp);                                                                  \
     } while (0)
 
 /*
@@ -146,9 +326,16 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     static const int nd[] = {2, 2, 2, 1, 1, 2, 0, 2, 2, 3};                                     \
     const size_t is[] = {sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL),  \
                          sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL)}; \
+    static const int cd[][4] = {{1, 2}, {1, 2}, {1, 3}, {1}, {1}, {3, 2}, {0}, {1, 3}, {3, 2},  \
+                                {4, 3, 2}};                                                      \
     const int ck = data != NULL;                                                                 \
     op_strides p[10] = {{0}};                                                                    \
     if (operand_strides(p, steps, nd, is, 9 + ck) < 0) return;                                  \
+    char *argv[10];                                                                              \
+    void *tmp[7];                                                                                \
+    memcpy(argv, args, (size_t)(9 + ck) * sizeof(char *));                                       \
+    args = argv;                                                                                 \
+    if (unalias_inputs(args, p, nd, cd, is, dims, 7, 9 + ck, S0, ST, tmp) < 0) return;          \
     const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[2], .Dv = dims[3],     \
                           .max_len = dims[1], .dalpha_summed = 1};                               \
     const gdn_fwd_strides st = {                                                                 \
@@ -160,11 +347,15 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
         .o_n = p[O].n, .o_t = p[O].c[0], .o_v = p[O].c[1],                                      \
         .sT_n = p[ST].n, .sT_v = p[ST].c[0], .sT_k = p[ST].c[1],                                 \
         .ck_n = p[CK].n, .ck_c = p[CK].c[0], .ck_v = p[CK].c[1], .ck_k = p[CK].c[2]};            \
-    if (ck && check_ckpt_count(dims[4], sz.T) < 0) return;                                       \
+    if (ck && check_ckpt_count(dims[4], sz.T) < 0) {                                             \
+        free_copies(tmp, 7);                                                                     \
+        return;                                                                                  \
+    }                                                                                            \
     const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
     const REAL no = 0;                                                                           \
     const int nt = TEAM(gdn_fwd_items(sz.N, sz.Dv));                                           \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(sz.T, sz.Dk, sz.Dv),                      \
+    const double work = (double)sz.N * (double)sz.T * (double)sz.Dk * (double)sz.Dv;            \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(sz.T, sz.Dk, sz.Dv), work, tmp, 7,        \
         gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
                           (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
                           (const REAL *)args[A], (const REAL *)args[B], (const REAL *)args[S0],  \
@@ -178,9 +369,16 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
     static const int nd[] = {2, 2, 2, 2, 1, 3, 0, 0, 1, 2, 3, 4};                               \
     const size_t r = sizeof(REAL);                                                               \
     const size_t is[] = {r, r, r, r, r, r, r, r, sizeof(int64_t), r, r, r};                     \
+    static const int cd[][4] = {{1, 2}, {1, 2}, {1, 3}, {1, 2}, {1}, {4, 3, 2}, {0}, {0}, {5},   \
+                                {1, 3}, {4, 3, 2}, {4, 6, 3, 2}};                                \
     const int ck = data != NULL;                                                                 \
     op_strides p[12] = {{0}};                                                                    \
     if (operand_strides(p, steps, nd, is, 11 + ck) < 0) return;                                 \
+    char *argv[12];                                                                              \
+    void *tmp[9];                                                                                \
+    memcpy(argv, args, (size_t)(11 + ck) * sizeof(char *));                                      \
+    args = argv;                                                                                 \
+    if (unalias_inputs(args, p, nd, cd, is, dims, 9, 11 + ck, S0, ST, tmp) < 0) return;         \
     const gdn_fwd_strides st = {                                                                 \
         .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
         .k_n = p[K].n, .k_t = p[K].c[0], .k_k = p[K].c[1],                                      \
@@ -193,11 +391,15 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         .ck_n = p[CK].n, .ck_s = p[CK].c[0], .ck_c = p[CK].c[1], .ck_v = p[CK].c[2],             \
         .ck_k = p[CK].c[3]};                                                                     \
     ptrdiff_t max_len = 0;                                                                       \
-    if (check_packed(args[CU], st.cu_n, st.cu_m, dims, ck, &max_len) < 0) return;                \
+    if (check_packed(args[CU], st.cu_n, st.cu_m, dims, ck, &max_len) < 0) {                      \
+        free_copies(tmp, 9);                                                                     \
+        return;                                                                                  \
+    }                                                                                            \
     const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[2],              \
                           .Dv = dims[3], .max_len = max_len, .dalpha_summed = 0};                \
     const int nt = TEAM(gdn_fwd_items(sz.N * sz.NS, sz.Dv));                                   \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv),                   \
+    const double work = (double)sz.N * (double)sz.T * (double)sz.Dk * (double)sz.Dv;            \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv), work, tmp, 9,     \
         gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
                           (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
                           (const REAL *)args[A], (const REAL *)args[B], (const REAL *)args[S0],  \
@@ -226,8 +428,21 @@ static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     size_t is[16];                                                                               \
     for (int i = 0; i < 6; i++) nd[DQ + i] = out_nd[i];                                          \
     for (int i = 0; i < 16; i++) is[i] = sizeof(REAL);                                           \
+    static const int cd_in[][4] = {{1, 2}, {1, 3}, {1, 3}, {1, 2}, {1}, {1}, {2, 3}, {2, 3},     \
+                                   {0}, {4, 2, 3}};                                              \
+    static const int cd_out[][4] = {{1, 3}, {1, 3}, {1, 2}, {1}, {1}, {2, 3}};                   \
+    int cd[16][4];                                                                               \
+    for (int i = 0; i < NIN + ck; i++) memcpy(cd[i], cd_in[i], sizeof cd[i]);                    \
+    for (int i = 0; i < 6; i++) memcpy(cd[DQ + i], cd_out[i], sizeof cd[i]);                     \
     op_strides p[16] = {{0}};                                                                    \
     if (operand_strides(p, steps, nd, is, DS0 + 1) < 0) return;                                 \
+    char *argv[16];                                                                              \
+    void *tmp[16];                                                                               \
+    memcpy(argv, args, (size_t)(DS0 + 1) * sizeof(char *));                                      \
+    args = argv;                                                                                 \
+    if (unalias_inputs(args, p, nd, (const int (*)[4])cd, is, dims, NIN + ck, DS0 + 1, -1, -1,  \
+                       tmp) < 0)                                                                 \
+        return;                                                                                  \
     const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[3], .Dv = dims[2],     \
                           .max_len = dims[1], .dalpha_summed = 1};                               \
     const op_strides none = {0};                                                                 \
@@ -247,11 +462,15 @@ static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
         .da_n = p[DA].n, .da_t = p[DA].c[0], .db_n = p[DB].n, .db_t = p[DB].c[0],                \
         .ds0_n = p[DS0].n, .ds0_v = p[DS0].c[0], .ds0_k = p[DS0].c[1],                           \
         .ck_n = c->n, .ck_c = c->c[0], .ck_v = c->c[1], .ck_k = c->c[2]};                        \
-    if (ck && check_ckpt_count(dims[4], sz.T) < 0) return;                                       \
+    if (ck && check_ckpt_count(dims[4], sz.T) < 0) {                                             \
+        free_copies(tmp, NIN + ck);                                                              \
+        return;                                                                                  \
+    }                                                                                            \
     const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
     const REAL no = 0;                                                                           \
     const int nt = TEAM(gdn_bwd_items(sz.N, sz.Dv));                                           \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv),                      \
+    const double work = (double)sz.N * (double)sz.T * (double)sz.Dk * (double)sz.Dv;            \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv), work, tmp, NIN + ck, \
         gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
                            (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
                            (const REAL *)args[DO], (const REAL *)args[Q], (const REAL *)args[K], \
@@ -272,8 +491,21 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
     size_t is[18];                                                                               \
     for (int i = 0; i < 6; i++) nd[DQ + i] = out_nd[i];                                          \
     for (int i = 0; i < 18; i++) is[i] = i == CU ? sizeof(int64_t) : sizeof(REAL);               \
+    static const int cd_in[][4] = {{1, 2}, {1, 3}, {1, 3}, {1, 2}, {1, 3}, {1}, {4, 2, 3},       \
+                                   {4, 2, 3}, {0}, {0}, {5}, {4, 6, 2, 3}};                      \
+    static const int cd_out[][4] = {{1, 3}, {1, 3}, {1, 2}, {1, 3}, {1}, {4, 2, 3}};             \
+    int cd[18][4];                                                                               \
+    for (int i = 0; i < NIN + ck; i++) memcpy(cd[i], cd_in[i], sizeof cd[i]);                    \
+    for (int i = 0; i < 6; i++) memcpy(cd[DQ + i], cd_out[i], sizeof cd[i]);                     \
     op_strides p[18] = {{0}};                                                                    \
     if (operand_strides(p, steps, nd, is, DS0 + 1) < 0) return;                                 \
+    char *argv[18];                                                                              \
+    void *tmp[18];                                                                               \
+    memcpy(argv, args, (size_t)(DS0 + 1) * sizeof(char *));                                      \
+    args = argv;                                                                                 \
+    if (unalias_inputs(args, p, nd, (const int (*)[4])cd, is, dims, NIN + ck, DS0 + 1, -1, -1,  \
+                       tmp) < 0)                                                                 \
+        return;                                                                                  \
     const op_strides none = {0};                                                                 \
     const op_strides *c = ck ? &p[CK] : &none;                                                   \
     const gdn_bwd_strides st = {                                                                 \
@@ -293,11 +525,16 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         .ds0_n = p[DS0].n, .ds0_s = p[DS0].c[0], .ds0_v = p[DS0].c[1], .ds0_k = p[DS0].c[2],     \
         .ck_n = c->n, .ck_s = c->c[0], .ck_c = c->c[1], .ck_v = c->c[2], .ck_k = c->c[3]};       \
     ptrdiff_t max_len = 0;                                                                       \
-    if (check_packed(args[CU], st.cu_n, st.cu_m, dims, ck, &max_len) < 0) return;                \
+    if (check_packed(args[CU], st.cu_n, st.cu_m, dims, ck, &max_len) < 0) {                      \
+        free_copies(tmp, NIN + ck);                                                              \
+        return;                                                                                  \
+    }                                                                                            \
     const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[3],              \
                           .Dv = dims[2], .max_len = max_len, .dalpha_summed = 0};                \
     const int nt = TEAM(gdn_bwd_items(sz.N * sz.NS, sz.Dv));                                   \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv),                   \
+    const double work = (double)sz.N * (double)sz.T * (double)sz.Dk * (double)sz.Dv;            \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv), work, tmp,        \
+                       NIN + ck,                                                                 \
         gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
                            (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
                            (const REAL *)args[DO], (const REAL *)args[Q], (const REAL *)args[K], \
@@ -471,6 +708,7 @@ static PyObject *py_fma_peak(PyObject *self, PyObject *args)
         return NULL;
     }
     double r;
+    if (forked_child) threads = 1;
     Py_BEGIN_ALLOW_THREADS
     r = gdn_fma_peak(use_double, threads, seconds);
     Py_END_ALLOW_THREADS
@@ -487,7 +725,15 @@ static PyObject *py_busy_cap(PyObject *self, PyObject *args)
     return PyLong_FromLong(gdn_default_thread_cap());
 }
 
+static PyObject *py_forked_child(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(forked_child);
+}
+
 static PyMethodDef methods[] = {
+    {"_forked_child", py_forked_child, METH_NOARGS,
+     "_forked_child() -> bool: whether this process is a fork() child (calls then run on one "
+     "thread)."},
     {"_busy_cap", py_busy_cap, METH_VARARGS,
      "_busy_cap([nt, late_s, total_s]) -> the cap on default threads (0: none), after reporting\n"
      "a call whose last of nt threads started late_s after its start and which took total_s."},
@@ -519,6 +765,10 @@ static int core_exec(PyObject *m)
 {
     if (_import_array() < 0 || _import_umath() < 0) return -1;
     gdn_init();
+#if !defined(_WIN32)
+    static int registered = 0;
+    if (!registered && pthread_atfork(NULL, NULL, after_fork_in_child) == 0) registered = 1;
+#endif
     for (size_t i = 0; i < sizeof(gufuncs) / sizeof(gufuncs[0]); i++) {
         const gufunc_descriptor *d = &gufuncs[i];
         PyObject *f = PyUFunc_FromFuncAndDataAndSignature(

@@ -124,6 +124,12 @@ ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T);
 /* Checkpoints of a T-step sequence: ceil(T / C), 0 for T = 0 (never falls as T grows). */
 ptrdiff_t gdn_checkpoint_count(ptrdiff_t T);
 
+/* Set (to 1) by the extension's SIGINT handler while a long call runs: the kernels stop at the
+ * next block of tokens (forward) or segment (backward) and return early; the caller then raises
+ * KeyboardInterrupt and drops the half-written outputs. Reset when a call starts watching. */
+#include <signal.h>
+extern volatile sig_atomic_t gdn_cancel_requested;
+
 /* Workspace, in elements, that one thread needs for one sequence of at most T tokens; SIZE_MAX
  * if that would overflow size_t. */
 size_t gdn_fwd_workspace_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv);
