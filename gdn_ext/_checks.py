@@ -2,6 +2,9 @@
 shape it expected, so that bad input fails here, in Python, before any kernel runs."""
 import math
 import operator
+import os
+import sys
+import warnings
 
 import numpy as np
 
@@ -99,3 +102,20 @@ def compute_dtype(arrays):
     if dtypes <= {f32}:
         return f32
     return f32 if all(np.can_cast(d, f32, "safe") for d in dtypes) else np.dtype(np.float64)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def caller_stacklevel():
+    """The ``stacklevel`` that makes a warning issued by the caller of this function point at
+    the first frame outside gdn_ext (the user's line), however deep inside gdn_ext it is."""
+    level, f = 2, sys._getframe(2)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE):
+        level, f = level + 1, f.f_back
+    return level
+
+
+def warn(message, category=UserWarning):
+    """A warning that points at the user's line."""
+    warnings.warn(message, category, stacklevel=caller_stacklevel())

@@ -269,8 +269,9 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
     normalize_qk = flag(normalize_qk, "normalize_qk")
     B, T, D = x.shape
     h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk)
+    # the layer makes q, k, v itself, gates in [0, 1]: nothing for check_values to find
     O, S_T = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
-                              num_threads=num_threads)
+                              num_threads=num_threads, check_values=False)
     y = x + O.reshape(B, T, params.n_heads * params.d_value) @ params.Wo
     return y, S_T
 
@@ -310,14 +311,14 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
 
     # y = x + O Wo
     O, _ = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
-                            output_final_state=False, num_threads=num_threads)
+                            output_final_state=False, num_threads=num_threads, check_values=False)
     O2 = O.reshape(B * T, H * Dv)
     dy2 = dy.reshape(B * T, D)
     dWo = O2.T @ dy2
     dO = (dy2 @ params.Wo.T).reshape(B, T, H, Dv)
     # O, S_T = recurrence(q, k, v, alpha=gate, beta=eta, S)
     g = gated_delta_rule_backward(dO, q, k, v, beta=eta, alpha=gate, initial_state=S, dS_T=dS_T,
-                                  scale=scale, num_threads=num_threads)
+                                  scale=scale, num_threads=num_threads, check_values=False)
     dq, dk = g.dq, g.dk
     if normalize_qk:
         dq, dk = l2norm_backward(dq, q_raw), l2norm_backward(dk, k_raw)
@@ -355,6 +356,6 @@ def gated_deltanet_step(x_t: ArrayLike, S: Optional[ArrayLike], params: GatedDel
     h, _, _, q, k, v, gate, eta = _projections(x, params, normalize_qk)
     o, S_new = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta=eta[:, 0],
                                      alpha=gate[:, 0], state=S, scale=scale,
-                                     num_threads=num_threads)
+                                     num_threads=num_threads, check_values=False)
     return LayerStepResult(x_t + o.reshape(x_t.shape[0], params.n_heads * params.d_value) @ params.Wo,
                            S_new)

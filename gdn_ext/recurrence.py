@@ -11,7 +11,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._native import _core
-from ._checks import as_real_array, expect_shape, flag, sequence_length, thread_count
+from ._checks import as_real_array, expect_shape, flag, sequence_length, thread_count, warn
 from ._problem import _Problem
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, StepResult
 
@@ -36,9 +36,19 @@ def checkpoint_interval(T: int) -> int:
 
 
 def _call(ufunc, args, out, num_threads):
+    """Run a gufunc; NumPy's floating-point warnings (errstate "warn") are issued at the
+    caller's line instead of this one."""
     prev = _core._set_call_threads(num_threads)
     try:
-        ufunc(*args, out=out, dtype=out[0].dtype, casting="same_kind")
+        err = np.geterr()
+        modes = set(err.values())
+        if "warn" in modes and not modes & {"call", "log"}:
+            def report(kind, flag):
+                warn(f"{kind} encountered in {ufunc.__name__}", RuntimeWarning)
+            with np.errstate(call=report, **{k: "call" for k, m in err.items() if m == "warn"}):
+                ufunc(*args, out=out, dtype=out[0].dtype, casting="same_kind")
+        else:
+            ufunc(*args, out=out, dtype=out[0].dtype, casting="same_kind")
     finally:
         _core._set_call_threads(prev)
 
@@ -67,7 +77,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                      output_final_state: bool = True, num_threads: Optional[int] = None,
                      normalize_qk: bool = False,
                      cu_seqlens: Union[ArrayLike, Sequence[int], None] = None,
-                     return_checkpoints: bool = False) -> tuple:
+                     return_checkpoints: bool = False, check_values: bool = True) -> tuple:
     """The gated delta rule recurrence (Gated DeltaNet's token mixer), computed in C.
 
     For each sequence and value head, with state S of shape [Dv, Dk] and t = 1..T::
@@ -119,6 +129,10 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
         C, 2C, ... of each sequence, C = checkpoint_interval(T)), to pass to
         :func:`gated_delta_rule_backward` as ``checkpoints=``: training then runs the recurrence
         forward once less. They cost checkpoint_count(T) ~ sqrt(T) states per sequence and head.
+    check_values : bool, default True
+        Warn (UserWarning, at the caller's line) when alpha is outside [0, 1], g above 0, beta
+        outside [0, 2], or T < H with 1 < T (q may be head-first [B, H, T, D]). The results are
+        computed all the same; False skips these checks.
 
     Returns
     -------
@@ -158,7 +172,8 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     nt = thread_count(num_threads)
     output_final_state = flag(output_final_state, "output_final_state")
     return_checkpoints = flag(return_checkpoints, "return_checkpoints")
-    p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens)
+    p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
+                 check_values=check_values)
     if return_checkpoints:
         o, S_T, ck = _forward(p, nt, checkpoints=True)
         return p.user_seq(o), (S_T if output_final_state else None), ck
@@ -173,7 +188,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
                               dS_T: Optional[ArrayLike] = None, scale: float = 1.0,
                               num_threads: Optional[int] = None, normalize_qk: bool = False,
                               cu_seqlens: Union[ArrayLike, Sequence[int], None] = None,
-                              checkpoints: Optional[NDArray] = None,
+                              checkpoints: Optional[NDArray] = None, check_values: bool = True,
                               ) -> Union[GatedDeltaRuleGrads, GatedDeltaRuleGradsG]:
     """Gradients of :func:`gated_delta_rule` (backpropagation through time, in C).
 
@@ -207,6 +222,8 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
         the backward then skips its own checkpoint pass (one forward recurrence). Checked for
         shape and for starting at initial_state; they must come from the same inputs, which is
         not otherwise checked.
+    check_values : bool, default True
+        As for :func:`gated_delta_rule`.
 
     Returns
     -------
@@ -227,7 +244,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     do = as_real_array(do, "do")
     dST = None if dS_T is None else as_real_array(dS_T, "dS_T")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
-                 extra=[do] + ([dST] if dST is not None else []))
+                 extra=[do] + ([dST] if dST is not None else []), check_values=check_values)
     do_k, dST_k = _checked_output_grads(p, do, dST)
     args = (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args()
     if checkpoints is None:
@@ -326,7 +343,7 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
                           alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
                           state: Optional[ArrayLike], scale: float = 1.0,
                           normalize_qk: bool = False, num_threads: Optional[int] = None,
-                          inplace: bool = False) -> StepResult:
+                          inplace: bool = False, check_values: bool = True) -> StepResult:
     """One token of the gated delta rule: recurrent (decoding) form of :func:`gated_delta_rule`.
 
     ``o_t, S_t = gated_delta_rule_step(q_t, k_t, v_t, beta=beta_t, alpha=alpha_t, state=S_{t-1})``
@@ -350,6 +367,8 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
     inplace : bool, default False -- write S_t over ``state`` and return it as new_state (decoding
         without a new [B, HV, Dv, Dk] array per token; the same numbers). ``state`` must then be a
         writeable, C-contiguous ndarray of the result's dtype.
+    check_values : bool, default True -- warn about alpha, g, beta out of range, as
+        gated_delta_rule.
 
     Returns
     -------
@@ -368,7 +387,8 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
     """
     nt = thread_count(num_threads)
     inplace = flag(inplace, "inplace")
-    p = _Problem(q_t, k_t, v_t, beta, alpha, g, state, scale, normalize_qk, step=True)
+    p = _Problem(q_t, k_t, v_t, beta, alpha, g, state, scale, normalize_qk, step=True,
+                 check_values=check_values)
     if not inplace:
         o, S_T = _forward(p, nt)
         return StepResult(p.user_seq(o)[:, 0], S_T)

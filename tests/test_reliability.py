@@ -1,0 +1,279 @@
+"""Reliability: exact aliases of the raw gufuncs' outputs and inputs, fork, floating-point flags
+across inner-loop calls, Ctrl-C, and warnings that point at the caller's line."""
+import itertools
+import multiprocessing
+import os
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import gdn_ext
+from gdn_ext import _core, ufuncs
+from helpers import run_python
+
+U = ufuncs
+
+
+def _raw_inputs(rng, name, N, D, NS=1):
+    """Inputs of the raw gufunc `name` with T = Dk = Dv = D, so that every [.., T, D], [.., D, D]
+    operand has one shape (exact aliases possible between all of them)."""
+    T = D
+    unit = rng.standard_normal((N, T, D))
+    unit /= np.linalg.norm(unit, axis=-1, keepdims=True)
+    general = "general" in name
+    seq = (N, NS) if general else (N,)
+    x = dict(q=rng.standard_normal((N, T, D)), k=unit, v=rng.standard_normal((N, T, D)),
+             alpha=rng.uniform(0.6, 1, (N, T, D) if general else (N, T)),
+             beta=rng.uniform(0.1, 0.9, (N, T)), S0=rng.standard_normal(seq + (D, D)))
+    if "bwd" in name:
+        x["do"] = rng.standard_normal((N, T, D))
+        x["dST"] = rng.standard_normal(seq + (D, D))
+    order = (["do"] if "bwd" in name else []) + ["q", "k", "v", "alpha", "beta", "S0"] + \
+        (["dST"] if "bwd" in name else [])
+    args = [x[n] for n in order] + [np.float64(0.7)]
+    if general:
+        args += [np.float64(1.0), np.array([0, T], np.int64) if NS == 1 else
+                 np.array([0, T // 2, T], np.int64)]
+    if name.endswith("bwd_ckpt"):
+        fa = [x[n] for n in ["q", "k", "v", "alpha", "beta", "S0"]] + args[len(order):]
+        args.append(_outputs(name.replace("bwd", "fwd"), fa)[2])
+    return args
+
+
+def _outputs(name, args):
+    """A call with fresh outputs (the forward's checkpoints must be given: their axis c)."""
+    fn = getattr(U, name)
+    if name.endswith("fwd_ckpt"):
+        S0 = args[5]
+        T = args[0].shape[1]
+        # zeros: a shorter packed sequence leaves the slots past its own count as they are
+        ck = np.zeros(S0.shape[:-2] + (gdn_ext.checkpoint_count(T),) + S0.shape[-2:])
+        return fn(*args, out=(None, None, ck))
+    return fn(*args)
+
+
+GUFUNCS = ["gated_delta_rule_fwd", "gated_delta_rule_bwd", "gated_delta_rule_general_fwd",
+           "gated_delta_rule_general_bwd", "gated_delta_rule_fwd_ckpt",
+           "gated_delta_rule_bwd_ckpt", "gated_delta_rule_general_fwd_ckpt",
+           "gated_delta_rule_general_bwd_ckpt"]
+
+
+@pytest.mark.parametrize("name", GUFUNCS)
+@pytest.mark.parametrize("D", [4, 70])                 # rowwise short path / strips, blocks
+@pytest.mark.parametrize("threads", [1, 3])
+def test_output_exactly_an_input(name, D, threads):
+    """Every output given as the memory of every input of its shape: the results equal a call
+    with fresh outputs, bitwise, and the other inputs are not modified."""
+    rng = np.random.default_rng(D)
+    N = 2
+    args = _raw_inputs(rng, name, N, D, NS=2 if "general" in name else 1)
+    prev = _core._set_call_threads(threads)
+    try:
+        want = _outputs(name, args)
+        pairs = [(i, j) for i, j in itertools.product(range(len(args)), range(len(want)))
+                 if isinstance(args[i], np.ndarray) and args[i].shape == want[j].shape
+                 and args[i].dtype == want[j].dtype]
+        assert len(pairs) >= 3
+        for i, j in pairs:
+            a = list(args)
+            a[i] = args[i].copy()
+            outs = [np.zeros_like(w) for w in want]
+            outs[j] = a[i]
+            got = getattr(U, name)(*a, out=tuple(outs))
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w, err_msg=f"{name}: output {j} as input {i}")
+    finally:
+        _core._set_call_threads(prev)
+
+
+def test_inplace_state_stays_fast_path():
+    """S_0 given as S_T's memory (the step API's inplace) is not copied and is still right, on
+    the short path (T = 4) and the strip path (T = 70), one and several threads."""
+    for D in (4, 70):
+        args = _raw_inputs(np.random.default_rng(D), "gated_delta_rule_fwd", 2, D)
+        want = U.gated_delta_rule_fwd(*args)
+        for threads in (1, 2):
+            a = list(args)
+            a[5] = s = args[5].copy()
+            prev = _core._set_call_threads(threads)
+            try:
+                o, S = U.gated_delta_rule_fwd(*a, out=(np.empty_like(want[0]), s))
+            finally:
+                _core._set_call_threads(prev)
+            assert S is s
+            np.testing.assert_array_equal(S, want[1])
+            np.testing.assert_array_equal(o, want[0])
+
+
+# ---- fork -----------------------------------------------------------------------------------------
+
+def _child_work(seed):
+    rng = np.random.default_rng(seed)
+    B, T, H, D = 2, 80, 4, 32
+    q = rng.standard_normal((B, T, H, D))
+    k = q / np.linalg.norm(q, axis=-1, keepdims=True)
+    kw = dict(beta=np.full((B, T, H), 0.5), alpha=np.full((B, T, H), 0.9), num_threads=2)
+    o, S = gdn_ext.gated_delta_rule(q, k, q, **kw)
+    g = gdn_ext.gated_delta_rule_backward(o, q, k, q, **kw)
+    step = gdn_ext.gated_delta_rule_step(q[:, 0], k[:, 0], q[:, 0], beta=kw["beta"][:, 0],
+                                         alpha=kw["alpha"][:, 0], state=None, num_threads=2)
+    return _core._forked_child(), float(o.sum()), float(g.dq.sum()), float(step.o.sum())
+
+
+@pytest.mark.skipif(sys.platform == "win32" or not gdn_ext.openmp_enabled(),
+                    reason="fork and OpenMP")
+def test_fork_after_a_parallel_call():
+    """A child forked after the parent ran parallel regions computes (on one thread) the same
+    numbers as the parent, instead of hanging."""
+    parent = _child_work(0)
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(2) as pool:
+        got = pool.map_async(_child_work, [0, 0]).get(timeout=60)
+    assert not parent[0]
+    for child in got:
+        assert child[0]
+        assert child[1:] == parent[1:]
+
+
+# ---- floating-point flags -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("where", [(0, 0), (1, 1), (0, 1)])
+@pytest.mark.parametrize("backward", [False, True])
+def test_overflow_in_any_pair_reaches_errstate(threads, where, backward):
+    """B = 2, H = 2 (NumPy calls the inner loop once per batch row): an overflow in any
+    (sequence, head) warns once and raises under errstate(over='raise')."""
+    rng = np.random.default_rng(5)
+    B, T, H, D = 2, 6, 2, 4
+    q, k = rng.standard_normal((B, T, H, D)), rng.standard_normal((B, T, H, D))
+    v = rng.standard_normal((B, T, H, D))
+    v[where[0], :, where[1]] = 1e308
+    kw = dict(beta=np.full((B, T, H), 0.5), alpha=np.ones((B, T, H)), num_threads=threads)
+
+    def call():
+        if backward:
+            return gdn_ext.gated_delta_rule_backward(v, q, k, v, **kw)
+        return gdn_ext.gated_delta_rule(q, k, v, **kw)
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        call()
+    messages = [str(x.message) for x in w]
+    assert any(m.startswith("overflow encountered") for m in messages), messages
+    assert all(x.filename == __file__ for x in w), [x.filename for x in w]
+    with np.errstate(over="raise", invalid="ignore"), pytest.raises(FloatingPointError):
+        call()
+
+
+# ---- Ctrl-C ---------------------------------------------------------------------------------------
+
+INTERRUPT = r"""
+import os, signal, sys, threading, time
+import numpy as np, gdn_ext
+T, D = int(sys.argv[1]), 128
+rng = np.random.default_rng(0)
+q = rng.standard_normal((1, T, 1, D)).astype(np.float32)
+k = q / np.linalg.norm(q, axis=-1, keepdims=True)
+kw = dict(beta=np.full((1, T, 1), .5, np.float32), alpha=np.full((1, T, 1), .99, np.float32))
+short = T // 50
+t = time.perf_counter()
+gdn_ext.gated_delta_rule(q[:, :short], k[:, :short], q[:, :short], beta=kw["beta"][:, :short],
+                         alpha=kw["alpha"][:, :short])
+estimate = 50 * (time.perf_counter() - t)
+for name, call in (("forward", lambda: gdn_ext.gated_delta_rule(q, k, q, **kw)),
+                   ("backward", lambda: gdn_ext.gated_delta_rule_backward(q, q, k, q, **kw))):
+    sent = []
+    def fire():
+        time.sleep(0.2)
+        sent.append(time.perf_counter())
+        os.kill(os.getpid(), signal.SIGINT)
+    th = threading.Thread(target=fire)
+    th.start()
+    start = time.perf_counter()
+    try:
+        call()
+        print(name, "finished", time.perf_counter() - start, estimate)
+    except KeyboardInterrupt:
+        print(name, "interrupted", time.perf_counter() - sent[0], estimate)
+    th.join()
+o, S = gdn_ext.gated_delta_rule(q[:, :64], k[:, :64], q[:, :64], beta=kw["beta"][:, :64],
+                                alpha=kw["alpha"][:, :64])
+ref, _ = gdn_ext.reference.gated_delta_rule(q[:, :64], k[:, :64], q[:, :64],
+                                            beta=kw["beta"][:, :64], alpha=kw["alpha"][:, :64])
+print("after", float(np.max(np.abs(o - ref))))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_stops_long_calls():
+    """SIGINT during a forward (about a second of work) and a backward (several): each raises
+    KeyboardInterrupt within a fraction of a second of the signal, and the next call is right."""
+    out = run_python(INTERRUPT.replace("sys.argv[1]", "1000000"))
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    for name in ("forward", "backward"):
+        what, latency, estimate = lines[name].split()
+        assert what == "interrupted", out.stdout
+        # within a tenth of the call's length of work and well before it would have ended
+        assert float(latency) < max(0.5, 0.1 * float(estimate)), out.stdout
+    assert float(lines["after"]) < 1e-4
+
+
+# ---- warnings at the caller's line ----------------------------------------------------------------
+
+def _small(rng, B=1, T=5, H=2, D=3):
+    return dict(q=rng.standard_normal((B, T, H, D)), k=rng.standard_normal((B, T, H, D)),
+                v=rng.standard_normal((B, T, H, D)), beta=np.full((B, T, H), 0.5),
+                alpha=np.full((B, T, H), 0.9))
+
+
+@pytest.mark.parametrize("bad,words", [
+    (dict(alpha=1.5), "alpha has values outside [0, 1]"),
+    (dict(alpha=-0.1), "alpha has values outside [0, 1]"),
+    (dict(g=0.2), "g has values above 0"),
+    (dict(beta=2.5), "beta has values outside [0, 2]"),
+    (dict(beta=-1.0), "beta has values outside [0, 2]")])
+@pytest.mark.parametrize("api", ["forward", "backward", "step"])
+def test_unusual_values_warn_at_the_callers_line(bad, words, api):
+    x = _small(np.random.default_rng(6))
+    if "g" in bad:
+        x.pop("alpha")
+        x["g"] = np.full((1, 5, 2), bad["g"])
+    else:
+        name, val = next(iter(bad.items()))
+        x[name] = np.full_like(x[name], val)
+
+    def call(**extra):
+        kw = dict(x)
+        q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+        if api == "forward":
+            return gdn_ext.gated_delta_rule(q, k, v, **kw, **extra)
+        if api == "backward":
+            return gdn_ext.gated_delta_rule_backward(v, q, k, v, **kw, **extra)
+        kw = {n: a[:, 0] for n, a in kw.items()}
+        return gdn_ext.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], **kw, state=None, **extra)
+
+    with pytest.warns(UserWarning, match=words.replace("[", r"\[").replace("]", r"\]")) as w:
+        call()
+    assert all(r.filename == __file__ for r in w.list)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(check_values=False)
+
+
+def test_head_first_layout_warns():
+    """Head-first arrays [B, H, T, D] (H = 3 heads, T = 8 tokens) passed as [B, T, H, D] read as
+    T = 3 < H = 8: a warning says so, at the caller's line; T = 1 (decoding) does not warn."""
+    rng = np.random.default_rng(7)
+    B, H, T, D = 2, 3, 8, 4
+    q = rng.standard_normal((B, H, T, D))
+    gates = np.full((B, H, T), 0.5)
+    with pytest.warns(UserWarning, match=r"T = 3 < H = 8: if it is head-first") as w:
+        gdn_ext.gated_delta_rule(q, q, q, beta=gates, alpha=gates)
+    assert w.list[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gdn_ext.gated_delta_rule(q[:, :1], q[:, :1], q[:, :1], beta=gates[:, :1],
+                                 alpha=gates[:, :1])
