@@ -46,12 +46,22 @@ group (a stride-0 view, no copy) and sum dq, dk over the group afterwards.
 Time is a core dimension, so the (sequence, head) pairs are the loop dimensions: put them first,
 e.g. ``q.transpose(0, 2, 1, 3)`` for the ``[B, T, H, Dk]`` layout (a view, no copy), or use
 ``axes=``. Being ufuncs, they broadcast over the loop dimensions, cast dtypes (float16 and small
-integers run in float32, other integers in float64), accept ``out=`` (NumPy copies an operand that
-overlaps an output, so an aliasing ``out=`` still gives the right answer) and honour
+integers run in float32, other integers in float64), accept ``out=`` and honour
 ``__array_ufunc__``. Loops exist for float32 and float64; complex input raises TypeError.
 
+Aliasing: an ``out=`` array may be the memory of any input. NumPy copies an input that partly
+overlaps an output; one that is exactly an output (the same memory and strides) it passes
+through, and the loops copy it themselves before computing (the kernels are not element-wise).
+The forward's S_0 given as S_T's memory is the one exact alias computed in place without a copy
+(each state row is read whole before it is written): that is ``gated_delta_rule_step``'s
+``inplace=True``.
+
 The loop over loop elements runs in parallel with OpenMP (default thread count: OpenMP's, which
-``OMP_NUM_THREADS`` and threadpoolctl control) with the GIL released. Shapes are not checked beyond
+``OMP_NUM_THREADS`` and threadpoolctl control) with the GIL released; in a process made by
+``fork()`` it runs on one thread (the OpenMP runtime's threads do not survive a fork). Calls of
+10**7 multiply-adds or more stop within a block of tokens on Ctrl-C and raise KeyboardInterrupt
+(POSIX). Floating-point errors of every (sequence, head) and every inner-loop call reach
+``np.errstate``. Shapes are not checked beyond
 what the signature implies: ``gdn_ext.gated_delta_rule`` is the checked, documented entry point.
 
 Math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule",
