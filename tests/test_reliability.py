@@ -277,3 +277,26 @@ def test_head_first_layout_warns():
         warnings.simplefilter("error")
         gdn_ext.gated_delta_rule(q[:, :1], q[:, :1], q[:, :1], beta=gates[:, :1],
                                  alpha=gates[:, :1])
+
+
+class _GdnDataset:
+    """A map-style dataset whose items are computed by gdn_ext with two threads."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return np.float64(_child_work(int(i))[1])
+
+
+@pytest.mark.skipif(sys.platform == "win32" or not gdn_ext.openmp_enabled(),
+                    reason="fork and OpenMP")
+def test_torch_dataloader_fork_workers():
+    """torch's DataLoader with forked workers calling gdn_ext (num_threads=2) after the parent
+    ran a parallel call: the items arrive, equal to the parent's."""
+    torch = pytest.importorskip("torch")
+    want = [_child_work(i)[1] for i in range(4)]
+    loader = torch.utils.data.DataLoader(_GdnDataset(), batch_size=None, num_workers=2,
+                                         multiprocessing_context="fork", timeout=60)
+    got = [float(x) for x in loader]
+    assert got == want
