@@ -609,3 +609,79 @@ def test_layer_decodes_token_by_token_as_one_call():
         layer(x[0])
     with pytest.raises(ValueError, match="state must hold"):
         layer(x, gt.GatedDeltaNetState(state.conv[:1], state.recurrent))
+
+
+def test_compiled_training_with_varying_lengths():
+    """A compiled layer trained on sequences of 12 different lengths: one dynamic graph (the
+    checkpoints are not handed over under compile), gradients equal to eager."""
+    _, layer, _ = _qwen3_layer(torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    for T in range(3, 15):
+        x = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(T))
+        y, _ = compiled(x)
+        y.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    for T in range(3, 15):
+        x = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(T))
+        layer(x)[0].square().mean().backward()
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_layer_activation_from_config():
+    """from_config takes the convolution's activation from config.hidden_act (gelu here), as
+    transformers' layer does; an unknown one is refused."""
+    from transformers import Qwen3NextConfig
+    cfg = Qwen3NextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                          linear_key_head_dim=8, linear_value_head_dim=6, num_hidden_layers=1,
+                          layer_types=["linear_attention"], hidden_act="gelu")
+    torch.manual_seed(1)
+    theirs = qwen3_next.Qwen3NextGatedDeltaNet(cfg, 0)
+    ours = gt.GatedDeltaNet.from_config(cfg)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 7, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[0], theirs(x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        gt.GatedDeltaNet(32, 2, 4, 8, 6, activation="mish")
+
+
+def test_final_states_are_contiguous_and_o_follows_v():
+    q, k, v, gl, beta, h0 = _fla_inputs(51, B=2, T=9, H=2, HV=4, K=8, V=6)
+    for fn in (gt.chunk_gated_delta_rule, gt.fused_recurrent_gated_delta_rule):
+        o, ht = fn(q.float(), k.float(), v, g=gl, beta=beta, initial_state=h0,
+                   output_final_state=True)
+        assert ht.is_contiguous() and ht.view(2, -1).shape == (2, 4 * 8 * 6)
+        assert o.dtype == v.dtype
+
+
+def test_more_bad_inputs_are_named():
+    q, k, v, gl, beta, h0 = _fla_inputs(52, B=1, T=10, H=2, HV=2, K=4, V=3)
+    C = gt.chunk_gated_delta_rule
+    with pytest.raises(ValueError, match="H >= 1"):
+        C(q[:, :, :0], k[:, :, :0], v[:, :, :0], gl[:, :, :0], beta[:, :, :0])
+    for bad in ("0,10", [0, None], torch.tensor([False, True])):
+        with pytest.raises(TypeError, match="cu_seqlens"):
+            gt.gated_delta_rule(q, k, v, beta=beta, g=gl, cu_seqlens=bad)
+    with pytest.raises(TypeError, match="dense"):
+        gt.gated_delta_rule(q.to_sparse(), k, v, beta=beta, g=gl)
+    for bad in (0, "2", 2.7, True):
+        with pytest.raises((TypeError, ValueError), match="num_threads"):
+            gt.gated_delta_rule(q, k, v, beta=beta, g=gl, num_threads=bad)
+    with pytest.raises(TypeError, match="normalize_qk"):
+        gt.gated_delta_rule(q, k, v, beta=beta, g=gl, normalize_qk="no")
+    f = torch.compile(lambda *a: gt.gated_delta_rule(*a[:3], beta=a[3], g=a[4]),
+                      fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="q must have shape") as info:
+        f(q[0, :, 0], k[0, :, 0], v[0, :, 0], beta[0, :, 0], gl[0, :, 0])
+    assert not isinstance(info.value, IndexError)
+    _, layer, _ = _qwen3_layer(torch.float64)
+    x = torch.randn(2, 0, 32, dtype=torch.float64)
+    y, st = layer(x)
+    assert y.shape == (2, 0, 32) and st.recurrent.shape == (2, 4, 8, 6)
+    with pytest.raises(ValueError, match="state must hold"):
+        layer(torch.randn(2, 3, 32, dtype=torch.float64), gt.GatedDeltaNetState(st.conv, None))
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        layer(torch.randn(2, 3, 32, dtype=torch.float64), attention_mask=torch.ones(3))

@@ -55,6 +55,8 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
     if q.dim() != 4:
         raise ValueError(f"q must have shape [B, T, H, K]; got {_shape(q)}")
     B, T, H, K = q.shape
+    if H == 0:
+        raise ValueError("q must have H >= 1 heads; got shape " + _shape(q))
     if K == 0:
         raise ValueError("q must have K >= 1 key channels; got shape " + _shape(q))
     _expect(k, "k", q.shape, "[B, T, H, K] (the shape of q)")
@@ -74,7 +76,10 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
         _expect(beta, "beta", (B, T, HV), "[B, T, HV]")
     N = B
     if cu_seqlens is not None:
-        cu = torch.as_tensor(cu_seqlens)
+        try:
+            cu = torch.as_tensor(cu_seqlens)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"cu_seqlens must be an integer tensor [N + 1]: {exc}") from None
         if cu.dim() != 1 or cu.numel() < 2:
             raise ValueError(f"cu_seqlens must have shape [N + 1]; got {_shape(cu)}")
         if B != 1:
@@ -86,7 +91,7 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
         _expect(initial_state, "initial_state",
                 (N, HV, V, K) if state_v_first else (N, HV, K, V), state_lay)
 
-    out_dtype = q.dtype
+    out_dtype = v.dtype                  # as flash-linear-attention: o like v
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32   # half types in float32
     # the gate: log decay, from the raw input when the kernel computes it (Mamba2 / Qwen3-Next)
     if use_gate_in_kernel:
@@ -121,8 +126,8 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
         initial_state=None if initial_state is None else initial_state.to(dt), scale=scale,
         output_final_state=output_final_state, normalize_qk=bool(use_qk_l2norm_in_kernel),
         cu_seqlens=cu_seqlens)
-    if S_T is not None and not state_v_first:
-        S_T = S_T.transpose(-1, -2)
+    if S_T is not None and not state_v_first:   # a fresh [N, HV, K, V], as fla returns
+        S_T = S_T.transpose(-1, -2).contiguous()
     return o.to(out_dtype), S_T
 
 
@@ -161,7 +166,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         head hv // (HV / H)).
       g: [B, T, HV], log decay (<= 0); with ``use_gate_in_kernel=True`` the raw gate input, and
         the log decay is ``-exp(A_log) * softplus(g + dt_bias)`` (A_log, dt_bias [HV]).
-      beta: [B, T, HV]; a logit with ``use_beta_sigmoid_in_kernel=True`` (beta = sigmoid(beta),
+      beta: [B, T, HV] (not per value channel); a logit with ``use_beta_sigmoid_in_kernel=True`` (beta = sigmoid(beta),
         or 2 * sigmoid(beta) with ``allow_neg_eigval=True``, which requires it).
       scale: default K ** -0.5.
       initial_state: [N, HV, K, V] (``state_v_first=True`` or its deprecated name
@@ -175,7 +180,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
       gk: [B, T, HV, K] per-key-channel log decay (beyond fla's chunk function; alone or added
         to g).
 
-    Returns (o [B, T, HV, V] in q's dtype, final_state or None). Computed by gdn_ext's C kernels
+    Returns (o [B, T, HV, V] in v's dtype, final_state or None, contiguous). Computed by gdn_ext's C kernels
     in float64 for float64 inputs, else float32 (bfloat16 / float16 inputs: o is cast back to
     their dtype, the final state stays float32, as transformers' fallbacks do); gradients
     through autograd to every tensor argument, A_log and dt_bias included. Raises ValueError /

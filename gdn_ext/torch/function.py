@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from .._checks import flag, thread_count
 from .._native import _core
 from ..recurrence import gated_delta_rule as _np_forward
 from ..recurrence import gated_delta_rule_backward as _np_backward
@@ -176,10 +177,36 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def _check_tensor(t, name):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor; got layout {t.layout}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}: gdn_ext runs on the CPU; move it with .cpu()")
     if t.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"{name} must be float32 or float64; got {t.dtype}")
+
+
+def _check_ranks(q, k, v, beta, gate, gate_name, initial_state):
+    """Ranks only (the kernels' checks name every size): what the fake implementations need
+    to run under torch.compile before the real checks do."""
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must have shape [B, T, H, Dk] (or [B, T, Dk], the single-head form); "
+                         f"got {list(q.shape)}")
+    single = q.dim() == 3
+    want = "[B, T, Dv]" if single else "[B, T, HV, Dv]"
+    if k.dim() != q.dim():
+        raise ValueError(f"k must have the shape of q {list(q.shape)}; got {list(k.shape)}")
+    if v.dim() != q.dim():
+        raise ValueError(f"v must have shape {want}; got {list(v.shape)}")
+    if beta.dim() not in ((2, 3) if single else (3,)):
+        raise ValueError(f"beta must have shape {'[B, T]' if single else '[B, T, HV]'}; got "
+                         f"{list(beta.shape)}")
+    if gate.dim() not in ((2, 3) if single else (3, 4)):
+        lay = "[B, T] or [B, T, Dk]" if single else "[B, T, HV] or [B, T, HV, Dk]"
+        raise ValueError(f"{gate_name} must have shape {lay}; got {list(gate.shape)}")
+    if initial_state is not None and initial_state.dim() != q.dim():
+        raise ValueError(f"initial_state must have shape "
+                         f"{'[B, Dv, Dk]' if single else '[B, HV, Dv, Dk]'}; got "
+                         f"{list(initial_state.shape)}")
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: torch.Tensor,
@@ -205,8 +232,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     ``torch.compile(fullgraph=True)`` traces it; ``torch.func`` transforms (vmap) do not apply.
 
     Raises: ValueError for a tensor not on the CPU and for the shape errors of
-    :func:`gdn_ext.gated_delta_rule` (in its names); TypeError for another dtype, a non-tensor
-    input, mixed dtypes.
+    :func:`gdn_ext.gated_delta_rule` (in its names); TypeError for another dtype, a non-tensor or
+    sparse input, mixed dtypes, a num_threads that is not a positive int, a flag that is not a
+    bool. Under ``torch.compile`` the forward keeps no checkpoints for the backward (their
+    number depends on T, which would be fixed in the graph): the backward reruns the forward
+    recurrence once, and T stays dynamic.
 
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025 (arXiv:2412.06464), sec. 3.
     """
@@ -223,16 +253,29 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     if len(dtypes) > 1:
         raise TypeError("q, k, v, beta, the gate and initial_state must share one dtype; got "
                         + ", ".join(f"{n} {t.dtype}" for n, t in tensors.items()))
+    _check_ranks(q, k, v, beta, gate, gate_name, initial_state)
     if cu_seqlens is not None:
-        cu_seqlens = torch.as_tensor(cu_seqlens, device="cpu")
-        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex:
+        try:
+            cu_seqlens = torch.as_tensor(cu_seqlens, device="cpu")
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"cu_seqlens must be an integer tensor [N + 1]: {exc}") from None
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
+                cu_seqlens.dtype == torch.bool:
             raise TypeError(f"cu_seqlens must be an integer tensor [N + 1]; got "
                             f"{cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens must have shape [N + 1]; got {list(cu_seqlens.shape)}")
         cu_seqlens = cu_seqlens.to(torch.int64)
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a real number; got {type(scale).__name__}")
-    keep = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
+    threads = thread_count(num_threads)
+    normalize_qk = flag(normalize_qk, "normalize_qk")
+    output_final_state = flag(output_final_state, "output_final_state")
+    # Under torch.compile the checkpoints are not handed over: their count is a function of T
+    # (about sqrt(T)) that would fix T in the graph; the backward then makes its own.
+    keep = (torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
+            and not torch.compiler.is_compiling())
     o, S_T, _ = torch.ops.gdn_ext.gated_delta_rule_fwd(
-        q, k, v, beta, gate, initial_state, float(scale), gate_name == "g", bool(normalize_qk),
-        cu_seqlens, keep, 0 if num_threads is None else int(num_threads))
+        q, k, v, beta, gate, initial_state, float(scale), gate_name == "g", normalize_qk,
+        cu_seqlens, keep, threads)
     return o, (S_T if output_final_state else None)

@@ -26,6 +26,9 @@ from .fla import chunk_gated_delta_rule
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetState"]
 
+# the convolution's activation, by transformers' names (ACT2FN) for from_config
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh}
+
 GatedDeltaNetState = namedtuple("GatedDeltaNetState", ["conv", "recurrent"])
 GatedDeltaNetState.__doc__ = """The layer's state between calls (decoding): ``conv`` [B, C,
 kernel - 1], the last inputs of the causal convolution (C = 2 H K + HV V channels), and
@@ -42,6 +45,7 @@ class GatedDeltaNet(nn.Module):
       head_k_dim: K; head_v_dim: V.
       conv_kernel_size: width of the causal convolution (4 in Qwen3-Next).
       rms_norm_eps: epsilon of the gated RMSNorm.
+      activation: after the convolution, one of ACTIVATIONS ("silu" in Qwen3-Next and fla).
       dtype, device: of the parameters (CPU; float32 or float64 for the kernels).
 
     ``forward(x, state=None, attention_mask=None)``: x [B, T, D]; state a
@@ -49,13 +53,18 @@ class GatedDeltaNet(nn.Module):
     attention_mask [B, T] of 0 / 1 zeroes padded tokens' inputs (transformers' convention).
     Returns (y [B, T, D], the new state). Feeding a sequence in pieces (prefill, then one token at
     a time) gives what one call gives, up to rounding. Gradients reach x and every parameter.
-    Raises ValueError for an x that is not [B, T, D] or a state of the wrong shapes.
+    Raises ValueError for an x that is not [B, T, D], a state of the wrong shapes, an
+    attention_mask that is not [B, T], an unknown activation.
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
-                 dtype: Optional[torch.dtype] = None, device=None):
+                 activation: str = "silu", dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}; got "
+                             f"{activation!r}")
+        self.activation = activation
         if num_v_heads % num_k_heads:
             raise ValueError(f"num_v_heads must be a multiple of num_k_heads; got "
                              f"{num_v_heads} and {num_k_heads}")
@@ -81,7 +90,7 @@ class GatedDeltaNet(nn.Module):
         return cls(config.hidden_size, config.linear_num_key_heads,
                    config.linear_num_value_heads, config.linear_key_head_dim,
                    config.linear_value_head_dim, config.linear_conv_kernel_dim,
-                   config.rms_norm_eps, **kw)
+                   config.rms_norm_eps, activation=getattr(config, "hidden_act", "silu"), **kw)
 
     def _split(self, qkvz, ba):
         """Qwen3-Next's packing: per key head, [q, k, the group's v, the group's z] and
@@ -103,23 +112,34 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or \
+                    tuple(attention_mask.shape) != (B, T):
+                raise ValueError(f"attention_mask must have shape [B, T] = {[B, T]}; got "
+                                 f"{getattr(attention_mask, 'shape', type(attention_mask))}")
             x = (x * attention_mask[:, :, None]).to(x.dtype)
+        want = (B, self.conv_dim, self.conv_kernel_size - 1)
         if state is None:
-            conv = x.new_zeros((B, self.conv_dim, self.conv_kernel_size - 1))
+            conv = x.new_zeros(want)
             recurrent = None
         else:
             conv, recurrent = state
-            want = (B, self.conv_dim, self.conv_kernel_size - 1)
-            if tuple(conv.shape) != want or tuple(recurrent.shape) != (B, HV, K, V):
+            if not isinstance(conv, torch.Tensor) or not isinstance(recurrent, torch.Tensor) or \
+                    tuple(conv.shape) != want or tuple(recurrent.shape) != (B, HV, K, V):
                 raise ValueError(f"state must hold conv [B, C, kernel - 1] = {list(want)} and "
                                  f"recurrent [B, HV, K, V] = {[B, HV, K, V]}; got "
-                                 f"{list(conv.shape)} and {list(recurrent.shape)}")
+                                 f"{getattr(conv, 'shape', conv)} and "
+                                 f"{getattr(recurrent, 'shape', recurrent)}")
+        if T == 0:   # nothing to mix: no output, the state as it was
+            if recurrent is None:
+                recurrent = x.new_zeros((B, HV, K, V))
+            return x.new_zeros((B, 0, self.hidden_size)), GatedDeltaNetState(conv, recurrent)
         q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], -1)
         # causal depthwise convolution over [the previous kernel - 1 inputs, this call's]
         padded = torch.cat([conv.to(mixed.dtype), mixed.transpose(1, 2)], -1)
         new_conv = padded[:, :, padded.shape[-1] - (self.conv_kernel_size - 1):]
-        mixed = F.silu(F.conv1d(padded, self.conv1d.weight, None, groups=self.conv_dim))
+        mixed = ACTIVATIONS[self.activation](
+            F.conv1d(padded, self.conv1d.weight, None, groups=self.conv_dim))
         q, k, v = torch.split(mixed.transpose(1, 2), [self.key_dim, self.key_dim,
                                                       self.value_dim], -1)
         q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
