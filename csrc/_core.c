@@ -87,9 +87,13 @@ bad:
     return -1;
 }
 
-/* The _ckpt gufuncs register the same loops with data = &with_ckpt: one more operand, the
- * checkpoints (the forward's last output, the backward's last input). */
-static int with_ckpt = 1;
+/* The loops' data: a set of GDN_WITH_* flags. _ckpt gufuncs have one more operand, the
+ * checkpoints (the forward's last output, the backward's last input); the gated_rule gufuncs
+ * (the general pair of the rule family) one more input, delta_rule (), after cu_seqlens. */
+enum { GDN_WITH_CKPT = 1, GDN_WITH_RULE = 2 };
+static int with_ckpt = GDN_WITH_CKPT, with_rule = GDN_WITH_RULE,
+           with_rule_ckpt = GDN_WITH_RULE | GDN_WITH_CKPT;
+#define LOOP_FLAGS(data) ((data) != NULL ? *(const int *)(data) : 0)
 
 /* Enough checkpoints for the longest sequence? (-1 with ValueError set if not.) */
 static int check_ckpt_count(ptrdiff_t have, ptrdiff_t max_len)
@@ -328,7 +332,7 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
                          sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL)}; \
     static const int cd[][4] = {{1, 2}, {1, 2}, {1, 3}, {1}, {1}, {3, 2}, {0}, {1, 3}, {3, 2},  \
                                 {4, 3, 2}};                                                      \
-    const int ck = data != NULL;                                                                 \
+    const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0;                                      \
     op_strides p[10] = {{0}};                                                                    \
     if (operand_strides(p, steps, nd, is, 9 + ck) < 0) return;                                  \
     char *argv[10];                                                                              \
@@ -359,52 +363,61 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
         gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
                           (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
                           (const REAL *)args[A], (const REAL *)args[B], (const REAL *)args[S0],  \
-                          (const REAL *)args[SC], &no, cu, &st, &sz, nt, ws));                   \
+                          (const REAL *)args[SC], &no, NULL, cu, &st, &sz, nt, ws));             \
 }                                                                                                \
                                                                                                  \
 static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,         \
                                void *data)                                                       \
 {                                                                                                \
-    enum { Q, K, V, A, B, S0, SC, NQ, CU, O, ST, CK };                                           \
-    static const int nd[] = {2, 2, 2, 2, 1, 3, 0, 0, 1, 2, 3, 4};                               \
-    const size_t r = sizeof(REAL);                                                               \
-    const size_t is[] = {r, r, r, r, r, r, r, r, sizeof(int64_t), r, r, r};                     \
-    static const int cd[][4] = {{1, 2}, {1, 2}, {1, 3}, {1, 2}, {1}, {4, 3, 2}, {0}, {0}, {5},   \
-                                {1, 3}, {4, 3, 2}, {4, 6, 3, 2}};                                \
-    const int ck = data != NULL;                                                                 \
-    op_strides p[12] = {{0}};                                                                    \
-    if (operand_strides(p, steps, nd, is, 11 + ck) < 0) return;                                 \
-    char *argv[12];                                                                              \
-    void *tmp[9];                                                                                \
-    memcpy(argv, args, (size_t)(11 + ck) * sizeof(char *));                                      \
+    enum { Q, K, V, A, B, S0, SC, NQ, CU, NIN };                                                 \
+    const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0;                                      \
+    const int dr = (LOOP_FLAGS(data) & GDN_WITH_RULE) != 0;                                      \
+    const int DR = NIN, O = NIN + dr, ST = O + 1, CK = ST + 1, nin = NIN + dr, nops = CK + ck;   \
+    int nd[13] = {2, 2, 2, 2, 1, 3, 0, 0, 1, 0};                                                 \
+    nd[O] = 2, nd[ST] = 3, nd[CK] = 4;                                                           \
+    size_t is[13];                                                                               \
+    for (int i = 0; i < 13; i++) is[i] = i == CU ? sizeof(int64_t) : sizeof(REAL);               \
+    static const int cd_in[][4] = {{1, 2}, {1, 2}, {1, 3}, {1, 2}, {1}, {4, 3, 2}, {0}, {0}, {5}, \
+                                   {0}};                                                         \
+    static const int cd_out[][4] = {{1, 3}, {4, 3, 2}, {4, 6, 3, 2}};                            \
+    int cd[13][4];                                                                               \
+    for (int i = 0; i < nin; i++) memcpy(cd[i], cd_in[i], sizeof cd[i]);                         \
+    for (int i = 0; i < 3; i++) memcpy(cd[O + i], cd_out[i], sizeof cd[i]);                      \
+    op_strides p[13] = {{0}};                                                                    \
+    if (operand_strides(p, steps, nd, is, nops) < 0) return;                                     \
+    char *argv[13];                                                                              \
+    void *tmp[10];                                                                               \
+    memcpy(argv, args, (size_t)nops * sizeof(char *));                                           \
     args = argv;                                                                                 \
-    if (unalias_inputs(args, p, nd, cd, is, dims, 9, 11 + ck, S0, ST, tmp) < 0) return;         \
+    if (unalias_inputs(args, p, nd, (const int (*)[4])cd, is, dims, nin, nops, S0, ST, tmp) < 0) \
+        return;                                                                                  \
     const gdn_fwd_strides st = {                                                                 \
         .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
         .k_n = p[K].n, .k_t = p[K].c[0], .k_k = p[K].c[1],                                      \
         .v_n = p[V].n, .v_t = p[V].c[0], .v_v = p[V].c[1],                                      \
         .a_n = p[A].n, .a_t = p[A].c[0], .a_k = p[A].c[1], .b_n = p[B].n, .b_t = p[B].c[0],      \
         .s0_n = p[S0].n, .s0_s = p[S0].c[0], .s0_v = p[S0].c[1], .s0_k = p[S0].c[2],             \
-        .sc_n = p[SC].n, .nq_n = p[NQ].n, .cu_n = p[CU].n, .cu_m = p[CU].c[0],                   \
-        .o_n = p[O].n, .o_t = p[O].c[0], .o_v = p[O].c[1],                                      \
+        .sc_n = p[SC].n, .nq_n = p[NQ].n, .dr_n = p[DR].n, .cu_n = p[CU].n,                      \
+        .cu_m = p[CU].c[0], .o_n = p[O].n, .o_t = p[O].c[0], .o_v = p[O].c[1],                  \
         .sT_n = p[ST].n, .sT_s = p[ST].c[0], .sT_v = p[ST].c[1], .sT_k = p[ST].c[2],             \
         .ck_n = p[CK].n, .ck_s = p[CK].c[0], .ck_c = p[CK].c[1], .ck_v = p[CK].c[2],             \
         .ck_k = p[CK].c[3]};                                                                     \
     ptrdiff_t max_len = 0;                                                                       \
     if (check_packed(args[CU], st.cu_n, st.cu_m, dims, ck, &max_len) < 0) {                      \
-        free_copies(tmp, 9);                                                                     \
+        free_copies(tmp, nin);                                                                   \
         return;                                                                                  \
     }                                                                                            \
     const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[2],              \
                           .Dv = dims[3], .max_len = max_len, .dalpha_summed = 0};                \
     const int nt = TEAM(gdn_fwd_items(sz.N * sz.NS, sz.Dv));                                   \
     const double work = (double)sz.N * (double)sz.T * (double)sz.Dk * (double)sz.Dv;            \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv), work, tmp, 9,     \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv), work, tmp, nin,   \
         gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
                           (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
                           (const REAL *)args[A], (const REAL *)args[B], (const REAL *)args[S0],  \
                           (const REAL *)args[SC], (const REAL *)args[NQ],                        \
-                          (const int64_t *)args[CU], &st, &sz, nt, ws));                         \
+                          dr ? (const REAL *)args[DR] : NULL, (const int64_t *)args[CU], &st,    \
+                          &sz, nt, ws));                                                         \
 }
 
 /*
@@ -421,7 +434,7 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
 static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
 {                                                                                                \
     enum { DO, Q, K, V, A, B, S0, DST, SC, NIN };                                                \
-    const int ck = data != NULL, CK = NIN, DQ = NIN + ck, DK = DQ + 1, DV = DQ + 2, DA = DQ + 3, \
+    const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0, CK = NIN, DQ = NIN + ck, DK = DQ + 1, DV = DQ + 2, DA = DQ + 3, \
               DB = DQ + 4, DS0 = DQ + 5;                                                         \
     int nd[16] = {2, 2, 2, 2, 1, 1, 2, 2, 0, 3};                                                 \
     const int out_nd[] = {2, 2, 2, 1, 1, 2};                                                     \
@@ -476,35 +489,41 @@ static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
                            (const REAL *)args[DO], (const REAL *)args[Q], (const REAL *)args[K], \
                            (const REAL *)args[V], (const REAL *)args[A], (const REAL *)args[B],  \
                            (const REAL *)args[S0], (const REAL *)args[DST],                      \
-                           ck ? (const REAL *)args[CK] : NULL, (const REAL *)args[SC], &no, cu,  \
-                           &st, &sz, nt, ws));                                                   \
+                           ck ? (const REAL *)args[CK] : NULL, (const REAL *)args[SC], &no, NULL, \
+                           cu, &st, &sz, nt, ws));                                               \
 }                                                                                                \
                                                                                                  \
 static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,         \
                                void *data)                                                       \
 {                                                                                                \
     enum { DO, Q, K, V, A, B, S0, DST, SC, NQ, CU, NIN };                                        \
-    const int ck = data != NULL, CK = NIN, DQ = NIN + ck, DK = DQ + 1, DV = DQ + 2, DA = DQ + 3, \
-              DB = DQ + 4, DS0 = DQ + 5;                                                         \
-    int nd[18] = {2, 2, 2, 2, 2, 1, 3, 3, 0, 0, 1, 4};                                           \
+    const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0;                                      \
+    const int dr = (LOOP_FLAGS(data) & GDN_WITH_RULE) != 0;                                      \
+    const int DR = NIN, CK = NIN + dr, DQ = CK + ck, DK = DQ + 1, DV = DQ + 2, DA = DQ + 3,      \
+              DB = DQ + 4, DS0 = DQ + 5, nin = DQ;                                               \
+    int nd[19] = {2, 2, 2, 2, 2, 1, 3, 3, 0, 0, 1};                                              \
     const int out_nd[] = {2, 2, 2, 2, 1, 3};                                                     \
-    size_t is[18];                                                                               \
+    size_t is[19];                                                                               \
+    nd[DR] = 0, nd[CK] = 4;                                                                      \
     for (int i = 0; i < 6; i++) nd[DQ + i] = out_nd[i];                                          \
-    for (int i = 0; i < 18; i++) is[i] = i == CU ? sizeof(int64_t) : sizeof(REAL);               \
+    for (int i = 0; i < 19; i++) is[i] = i == CU ? sizeof(int64_t) : sizeof(REAL);               \
     static const int cd_in[][4] = {{1, 2}, {1, 3}, {1, 3}, {1, 2}, {1, 3}, {1}, {4, 2, 3},       \
-                                   {4, 2, 3}, {0}, {0}, {5}, {4, 6, 2, 3}};                      \
+                                   {4, 2, 3}, {0}, {0}, {5}};                                    \
+    static const int cd_ck[4] = {4, 6, 2, 3}, cd_none[4] = {0};                                  \
     static const int cd_out[][4] = {{1, 3}, {1, 3}, {1, 2}, {1, 3}, {1}, {4, 2, 3}};             \
-    int cd[18][4];                                                                               \
-    for (int i = 0; i < NIN + ck; i++) memcpy(cd[i], cd_in[i], sizeof cd[i]);                    \
+    int cd[19][4];                                                                               \
+    for (int i = 0; i < NIN; i++) memcpy(cd[i], cd_in[i], sizeof cd[i]);                         \
+    memcpy(cd[DR], cd_none, sizeof cd[DR]);                                                      \
+    if (ck) memcpy(cd[CK], cd_ck, sizeof cd[CK]);                                                \
     for (int i = 0; i < 6; i++) memcpy(cd[DQ + i], cd_out[i], sizeof cd[i]);                     \
-    op_strides p[18] = {{0}};                                                                    \
+    op_strides p[19] = {{0}};                                                                    \
     if (operand_strides(p, steps, nd, is, DS0 + 1) < 0) return;                                 \
-    char *argv[18];                                                                              \
-    void *tmp[18];                                                                               \
+    char *argv[19];                                                                              \
+    void *tmp[19];                                                                               \
     memcpy(argv, args, (size_t)(DS0 + 1) * sizeof(char *));                                      \
     args = argv;                                                                                 \
-    if (unalias_inputs(args, p, nd, (const int (*)[4])cd, is, dims, NIN + ck, DS0 + 1, -1, -1,  \
-                       tmp) < 0)                                                                 \
+    if (unalias_inputs(args, p, nd, (const int (*)[4])cd, is, dims, nin, DS0 + 1, -1, -1, tmp)  \
+        < 0)                                                                                     \
         return;                                                                                  \
     const op_strides none = {0};                                                                 \
     const op_strides *c = ck ? &p[CK] : &none;                                                   \
@@ -516,8 +535,8 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         .a_n = p[A].n, .a_t = p[A].c[0], .a_k = p[A].c[1], .b_n = p[B].n, .b_t = p[B].c[0],      \
         .s0_n = p[S0].n, .s0_s = p[S0].c[0], .s0_v = p[S0].c[1], .s0_k = p[S0].c[2],             \
         .dsT_n = p[DST].n, .dsT_s = p[DST].c[0], .dsT_v = p[DST].c[1], .dsT_k = p[DST].c[2],     \
-        .sc_n = p[SC].n, .nq_n = p[NQ].n, .cu_n = p[CU].n, .cu_m = p[CU].c[0],                   \
-        .dq_n = p[DQ].n, .dq_t = p[DQ].c[0], .dq_k = p[DQ].c[1],                                \
+        .sc_n = p[SC].n, .nq_n = p[NQ].n, .dr_n = p[DR].n, .cu_n = p[CU].n,                      \
+        .cu_m = p[CU].c[0], .dq_n = p[DQ].n, .dq_t = p[DQ].c[0], .dq_k = p[DQ].c[1],             \
         .dk_n = p[DK].n, .dk_t = p[DK].c[0], .dk_k = p[DK].c[1],                                \
         .dv_n = p[DV].n, .dv_t = p[DV].c[0], .dv_v = p[DV].c[1],                                \
         .da_n = p[DA].n, .da_t = p[DA].c[0], .da_k = p[DA].c[1],                                \
@@ -526,23 +545,22 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         .ck_n = c->n, .ck_s = c->c[0], .ck_c = c->c[1], .ck_v = c->c[2], .ck_k = c->c[3]};       \
     ptrdiff_t max_len = 0;                                                                       \
     if (check_packed(args[CU], st.cu_n, st.cu_m, dims, ck, &max_len) < 0) {                      \
-        free_copies(tmp, NIN + ck);                                                              \
+        free_copies(tmp, nin);                                                                   \
         return;                                                                                  \
     }                                                                                            \
     const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[3],              \
                           .Dv = dims[2], .max_len = max_len, .dalpha_summed = 0};                \
     const int nt = TEAM(gdn_bwd_items(sz.N * sz.NS, sz.Dv));                                   \
     const double work = (double)sz.N * (double)sz.T * (double)sz.Dk * (double)sz.Dv;            \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv), work, tmp,        \
-                       NIN + ck,                                                                 \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv), work, tmp, nin,   \
         gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
                            (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
                            (const REAL *)args[DO], (const REAL *)args[Q], (const REAL *)args[K], \
                            (const REAL *)args[V], (const REAL *)args[A], (const REAL *)args[B],  \
                            (const REAL *)args[S0], (const REAL *)args[DST],                      \
                            ck ? (const REAL *)args[CK] : NULL, (const REAL *)args[SC],           \
-                           (const REAL *)args[NQ], (const int64_t *)args[CU], &st, &sz, nt,      \
-                           ws));                                                                 \
+                           (const REAL *)args[NQ], dr ? (const REAL *)args[DR] : NULL,           \
+                           (const int64_t *)args[CU], &st, &sz, nt, ws));                        \
 }
 
 DEFINE_FWD_LOOPS(f32, float)
@@ -578,6 +596,17 @@ static const char gen_fwd_ck_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, 
                                         TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD};
 static const char gen_bwd_ck_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF, TF, TF, TF, TF, TF,
                                         TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD, TD, TD, TD, TD};
+/* the gated_rule variants: delta_rule (float) after cu_seqlens */
+static const char rule_fwd_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF, TF,
+                                      TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD};
+static const char rule_bwd_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF, TF, TF, TF, TF, TF,
+                                      TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD, TD, TD, TD, TD};
+static const char rule_fwd_ck_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF, TF, TF,
+                                         TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD, TD};
+static const char rule_bwd_ck_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF, TF, TF, TF, TF, TF, TF,
+                                         TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD, TD, TD, TD, TD, TD};
+static void *rule_data[] = {&with_rule, &with_rule};
+static void *rule_ck_data[] = {&with_rule_ckpt, &with_rule_ckpt};
 #undef TF
 #undef TD
 #undef TI
@@ -645,6 +674,31 @@ static const gufunc_descriptor gufuncs[] = {
      "    normalize_qk, cu_seqlens, checkpoints, /, out=None, **kwargs)\n"
      "    -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
      "gated_delta_rule_general_bwd with the forward's checkpoints. See gdn_ext.ufuncs.", ck_data},
+    {"gated_rule_fwd", gen_fwd_funcs, rule_fwd_types, 10, 2,
+     "(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m),()->(t,v),(n,v,k)",
+     "gated_rule_fwd(q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens, delta_rule, /,\n"
+     "    out=None, **kwargs) -> (o, S_T)\n\n"
+     "gated_delta_rule_general_fwd with one more input: delta_rule != 0 writes the delta rule's\n"
+     "u_t = beta_t (v_t - S_{t-1} D_t k_t), delta_rule == 0 linear attention's u_t = beta_t v_t\n"
+     "(the rule family: linear attention, GLA / Mamba2 gates, DeltaNet, Gated DeltaNet).\n"
+     "See gdn_ext.ufuncs.", rule_data},
+    {"gated_rule_bwd", gen_bwd_funcs, rule_bwd_types, 12, 6,
+     "(t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m),()->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)",
+     "gated_rule_bwd(do, q, k, v, alpha, beta, S_0, dS_T, scale, normalize_qk, cu_seqlens,\n"
+     "    delta_rule, /, out=None, **kwargs) -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
+     "Backward of gated_rule_fwd. See gdn_ext.ufuncs.", rule_data},
+    {"gated_rule_fwd_ckpt", gen_fwd_funcs, rule_fwd_ck_types, 10, 3,
+     "(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m),()->(t,v),(n,v,k),(n,c,v,k)",
+     "gated_rule_fwd_ckpt(q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens, delta_rule,\n"
+     "    /, out=None, **kwargs) -> (o, S_T, checkpoints)\n\n"
+     "gated_rule_fwd that also writes each sequence's checkpoints. See gdn_ext.ufuncs.",
+     rule_ck_data},
+    {"gated_rule_bwd_ckpt", gen_bwd_funcs, rule_bwd_ck_types, 13, 6,
+     "(t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m),(),(n,c,v,k)"
+     "->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)",
+     "gated_rule_bwd_ckpt(do, q, k, v, alpha, beta, S_0, dS_T, scale, normalize_qk, cu_seqlens,\n"
+     "    delta_rule, checkpoints, /, out=None, **kwargs) -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
+     "gated_rule_bwd with the forward's checkpoints. See gdn_ext.ufuncs.", rule_ck_data},
 };
 
 static PyObject *py_openmp_enabled(PyObject *self, PyObject *noargs)

@@ -14,7 +14,8 @@
  * Math (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, section 3), with the gate
  * D_t = diag(alpha_t) (alpha_t [Dk]; the scalar gate repeats one value):
  *   p_t = S_{t-1} D_t k_t
- *   u_t = beta_t (v_t - p_t)
+ *   u_t = beta_t (v_t - p_t)          (delta_rule != 0, the default)
+ *   u_t = beta_t v_t                  (delta_rule == 0: linear attention's write, gated or not)
  *   S_t = S_{t-1} D_t + u_t k_t^T
  *   o_t = scale S_t q_t
  * optionally with q_t, k_t replaced by x / sqrt(sum x^2 + 1e-6) (normalize_qk).
@@ -51,6 +52,7 @@ typedef struct {
     ptrdiff_t s0_n, s0_s, s0_v, s0_k;        /* S_0    [N, NS, Dv, Dk] */
     ptrdiff_t sc_n;                          /* scale  [N]            */
     ptrdiff_t nq_n;                          /* normalize_qk [N]      */
+    ptrdiff_t dr_n;                          /* delta_rule [N]        */
     ptrdiff_t cu_n, cu_m;                    /* cu_seqlens [N, NS + 1] */
     ptrdiff_t o_n, o_t, o_v;                 /* o      [N, T, Dv]     */
     ptrdiff_t sT_n, sT_s, sT_v, sT_k;        /* S_T    [N, NS, Dv, Dk] */
@@ -69,6 +71,7 @@ typedef struct {
     ptrdiff_t dsT_n, dsT_s, dsT_v, dsT_k;    /* dS_T   [N, NS, Dv, Dk] */
     ptrdiff_t sc_n;                          /* scale  [N]            */
     ptrdiff_t nq_n;                          /* normalize_qk [N]      */
+    ptrdiff_t dr_n;                          /* delta_rule [N]        */
     ptrdiff_t cu_n, cu_m;                    /* cu_seqlens [N, NS + 1] */
     ptrdiff_t dq_n, dq_t, dq_k;              /* dq     [N, T, Dk]     */
     ptrdiff_t dk_n, dk_t, dk_k;              /* dk     [N, T, Dk]     */
@@ -89,6 +92,10 @@ typedef struct {
 
 /* State rows updated together by the backward kernel (its state rows are padded to a multiple). */
 #define GDN_ROWS 4
+/* Per-pair options of the kernels (a bit set): q, k L2-normalised; the write without the delta
+ * rule's correction (u_t = beta_t v_t). */
+#define GDN_OPT_NORMALIZE 1
+#define GDN_OPT_LINEAR 2
 /* Value rows of one strip of the backward (a multiple of GDN_ROWS): a strip of G and of one
  * segment's states stays in L1 / L2 while it walks back through the segment. */
 #ifndef GDN_BWD_ROWS
@@ -183,8 +190,10 @@ ptrdiff_t gdn_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv);
 #define GDN_FWD_ARGS(REAL)                                                                       \
     REAL *o, REAL *S_T, REAL *ckpt,                                                              \
     const REAL *q, const REAL *k, const REAL *v, const REAL *alpha, const REAL *beta,           \
-    const REAL *S_0, const REAL *scale, const REAL *normalize_qk, const int64_t *cu_seqlens,    \
-    const gdn_fwd_strides *st, const gdn_sizes *sz, int num_threads, REAL *ws
+    const REAL *S_0, const REAL *scale, const REAL *normalize_qk,                               \
+    const REAL *delta_rule, /* [N] 0: u_t = beta_t v_t; NULL: the delta rule everywhere */       \
+    const int64_t *cu_seqlens, const gdn_fwd_strides *st, const gdn_sizes *sz, int num_threads, \
+    REAL *ws
 void gdn_forward_f64(GDN_FWD_ARGS(double));
 void gdn_forward_f32(GDN_FWD_ARGS(float));
 
@@ -197,7 +206,7 @@ void gdn_forward_f32(GDN_FWD_ARGS(float));
     REAL *dq, REAL *dk, REAL *dv, REAL *dalpha, REAL *dbeta, REAL *dS_0,                         \
     const REAL *d_o, const REAL *q, const REAL *k, const REAL *v, const REAL *alpha,            \
     const REAL *beta, const REAL *S_0, const REAL *dS_T, const REAL *ckpt, const REAL *scale,   \
-    const REAL *normalize_qk, const int64_t *cu_seqlens,                                        \
+    const REAL *normalize_qk, const REAL *delta_rule, const int64_t *cu_seqlens,                \
     const gdn_bwd_strides *st, const gdn_sizes *sz, int num_threads, REAL *ws
 void gdn_backward_f64(GDN_BWD_ARGS(double));
 void gdn_backward_f32(GDN_BWD_ARGS(float));

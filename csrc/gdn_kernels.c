@@ -270,9 +270,10 @@ const char *gdn_isa(void) { return isa_names[isa_level]; }
 #define GDN_DISPATCH(fn, ...) fn##_generic(__VA_ARGS__)
 #endif
 
-#define FWD_CALL o, S_T, ckpt, q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens, st, sz, num_threads, ws
+#define FWD_CALL o, S_T, ckpt, q, k, v, alpha, beta, S_0, scale, normalize_qk, delta_rule, \
+                 cu_seqlens, st, sz, num_threads, ws
 #define BWD_CALL dq, dk, dv, dalpha, dbeta, dS_0, d_o, q, k, v, alpha, beta, S_0, dS_T, ckpt, scale, \
-                 normalize_qk, cu_seqlens, st, sz, num_threads, ws
+                 normalize_qk, delta_rule, cu_seqlens, st, sz, num_threads, ws
 void gdn_forward_f64(GDN_FWD_ARGS(double)) { GDN_DISPATCH(gdn_forward_f64, FWD_CALL); }
 void gdn_forward_f32(GDN_FWD_ARGS(float)) { GDN_DISPATCH(gdn_forward_f32, FWD_CALL); }
 void gdn_backward_f64(GDN_BWD_ARGS(double)) { GDN_DISPATCH(gdn_backward_f64, BWD_CALL); }

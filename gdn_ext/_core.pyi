@@ -14,6 +14,10 @@ gated_delta_rule_fwd_ckpt: np.ufunc
 gated_delta_rule_bwd_ckpt: np.ufunc
 gated_delta_rule_general_fwd_ckpt: np.ufunc
 gated_delta_rule_general_bwd_ckpt: np.ufunc
+gated_rule_fwd: np.ufunc
+gated_rule_bwd: np.ufunc
+gated_rule_fwd_ckpt: np.ufunc
+gated_rule_bwd_ckpt: np.ufunc
 
 def openmp_enabled() -> bool: ...
 def isa() -> Literal["generic", "avx2", "avx512"]: ...

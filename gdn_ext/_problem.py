@@ -65,11 +65,12 @@ class _Problem:
     shapes of gated_delta_rule_step instead (no T axis)."""
 
     def __init__(self, q, k, v, beta, alpha, g, initial_state, scale, normalize_qk=False,
-                 cu_seqlens=None, extra=(), step=False, check_values=True):
+                 cu_seqlens=None, extra=(), step=False, check_values=True, delta_rule=True):
         self.names = _Names(step)
         self.scale = real_scalar(scale, "scale")
         self.normalize_qk = flag(normalize_qk, "normalize_qk")
         check_values = flag(check_values, "check_values")
+        self.delta_rule = flag(delta_rule, "delta_rule")
         self.gate_name, gate = _pick_gate(alpha, g)
         q, k, v, beta, gate, s0 = self._read_forms(q, k, v, beta, gate, initial_state)
         self._check_shapes(q, k, v, beta, gate)
@@ -209,7 +210,8 @@ class _Problem:
                 raise ValueError(f"cu_seqlens must end at T = {T}, the packed length; got "
                                  f"{int(cu[-1])}")
             self.cu, self.NS = cu.astype(np.int64), cu.size - 1
-        self.general = self.per_key or self.normalize_qk or self.packed
+        self.general = (self.per_key or self.normalize_qk or self.packed
+                        or not self.delta_rule)
 
     def _check_state(self, s0):
         """The state's shape (for S_0, S_T, dS_T) and s0 checked against it."""
@@ -298,4 +300,17 @@ class _Problem:
 
     def ufunc_args(self):
         """Inputs of the forward ufunc after (q, k, v, alpha, beta, S_0, scale)."""
-        return (np.asarray(self.normalize_qk, self.dtype), self.cu) if self.general else ()
+        if not self.general:
+            return ()
+        nq = (np.asarray(self.normalize_qk, self.dtype), self.cu)
+        return nq if self.delta_rule else nq + (np.asarray(0, self.dtype),)
+
+    def ufunc(self, kind):
+        """The gufunc for this problem: kind "fwd", "bwd", "fwd_ckpt" or "bwd_ckpt" of the
+        scalar-gate pair, the general pair, or (without the delta rule) the gated_rule pair."""
+        base, _, ck = kind.partition("_")
+        if not self.delta_rule:
+            name = f"gated_rule_{base}"
+        else:
+            name = f"gated_delta_rule_{'general_' if self.general else ''}{base}"
+        return getattr(_core, name + ("_ckpt" if ck else ""))

@@ -238,7 +238,8 @@ def _projections(x, params, normalize_qk):
 
 def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
                            normalize_qk: bool = False, scale: float = 1.0,
-                           num_threads: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+                           num_threads: Optional[int] = None, delta_rule: bool = True,
+                           ) -> Tuple[np.ndarray, np.ndarray]:
     """The design note's Gated DeltaNet layer: ``y, S_T = gated_deltanet_forward(x, S, params)``.
 
     Parameters
@@ -252,6 +253,9 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
         Read-out scale of the recurrence.
     num_threads : int or None
         OpenMP threads of the recurrence (None: OpenMP's default).
+    delta_rule : bool, default True
+        False: the same layer with linear attention's write (u_t = eta_t v_t), the note's
+        earlier steps (gated linear attention); see :func:`gdn_ext.gated_delta_rule`.
 
     Returns
     -------
@@ -271,7 +275,8 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
     h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk)
     # the layer makes q, k, v itself, gates in [0, 1]: nothing for check_values to find
     O, S_T = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
-                              num_threads=num_threads, check_values=False)
+                              num_threads=num_threads, check_values=False,
+                              delta_rule=delta_rule)
     y = x + O.reshape(B, T, params.n_heads * params.d_value) @ params.Wo
     return y, S_T
 
@@ -279,7 +284,7 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
 def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
                             params: GatedDeltaNetParams, dS_T: Optional[ArrayLike] = None, *,
                             normalize_qk: bool = False, scale: float = 1.0,
-                            num_threads: Optional[int] = None,
+                            num_threads: Optional[int] = None, delta_rule: bool = True,
                             ) -> LayerGrads:
     """Backward of :func:`gated_deltanet_forward`: ``dx, dS, dparams``.
 
@@ -311,14 +316,16 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
 
     # y = x + O Wo
     O, _ = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
-                            output_final_state=False, num_threads=num_threads, check_values=False)
+                            output_final_state=False, num_threads=num_threads, check_values=False,
+                            delta_rule=delta_rule)
     O2 = O.reshape(B * T, H * Dv)
     dy2 = dy.reshape(B * T, D)
     dWo = O2.T @ dy2
     dO = (dy2 @ params.Wo.T).reshape(B, T, H, Dv)
     # O, S_T = recurrence(q, k, v, alpha=gate, beta=eta, S)
     g = gated_delta_rule_backward(dO, q, k, v, beta=eta, alpha=gate, initial_state=S, dS_T=dS_T,
-                                  scale=scale, num_threads=num_threads, check_values=False)
+                                  scale=scale, num_threads=num_threads, check_values=False,
+                                  delta_rule=delta_rule)
     dq, dk = g.dq, g.dk
     if normalize_qk:
         dq, dk = l2norm_backward(dq, q_raw), l2norm_backward(dk, k_raw)
@@ -340,7 +347,8 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
 
 def gated_deltanet_step(x_t: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
                         normalize_qk: bool = False, scale: float = 1.0,
-                        num_threads: Optional[int] = None) -> LayerStepResult:
+                        num_threads: Optional[int] = None, delta_rule: bool = True,
+                        ) -> LayerStepResult:
     """One token through the layer: ``y_t, S_new = gated_deltanet_step(x_t, S, params)``.
 
     x_t [B, D]; S [B, H, Dv, Dk] or None (zeros); normalize_qk, scale, num_threads as for
@@ -356,6 +364,7 @@ def gated_deltanet_step(x_t: ArrayLike, S: Optional[ArrayLike], params: GatedDel
     h, _, _, q, k, v, gate, eta = _projections(x, params, normalize_qk)
     o, S_new = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta=eta[:, 0],
                                      alpha=gate[:, 0], state=S, scale=scale,
-                                     num_threads=num_threads, check_values=False)
+                                     num_threads=num_threads, check_values=False,
+                                     delta_rule=delta_rule)
     return LayerStepResult(x_t + o.reshape(x_t.shape[0], params.n_heads * params.d_value) @ params.Wo,
                            S_new)

@@ -60,14 +60,11 @@ def _forward(p, num_threads, checkpoints=False):
     S_T, S_T_k = p.new_state()
     args = (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args()
     if not checkpoints:
-        ufunc = _core.gated_delta_rule_general_fwd if p.general else _core.gated_delta_rule_fwd
-        _call(ufunc, args, (o_k, S_T_k), num_threads)
+        _call(p.ufunc("fwd"), args, (o_k, S_T_k), num_threads)
         return o, S_T
     # packed: zeros in the slots past a shorter sequence's own count (the kernel writes the rest)
     ck = (np.zeros if p.packed else np.empty)(p.ckpt_shape(), p.dtype)
-    ufunc = (_core.gated_delta_rule_general_fwd_ckpt if p.general
-             else _core.gated_delta_rule_fwd_ckpt)
-    _call(ufunc, args, (o_k, S_T_k, p.ckpt_view(ck)), num_threads)
+    _call(p.ufunc("fwd_ckpt"), args, (o_k, S_T_k, p.ckpt_view(ck)), num_threads)
     return o, S_T, ck
 
 
@@ -77,7 +74,8 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                      output_final_state: bool = True, num_threads: Optional[int] = None,
                      normalize_qk: bool = False,
                      cu_seqlens: Union[ArrayLike, Sequence[int], None] = None,
-                     return_checkpoints: bool = False, check_values: bool = True) -> tuple:
+                     return_checkpoints: bool = False, check_values: bool = True,
+                     delta_rule: bool = True) -> tuple:
     """The gated delta rule recurrence (Gated DeltaNet's token mixer), computed in C.
 
     For each sequence and value head, with state S of shape [Dv, Dk] and t = 1..T::
@@ -129,6 +127,12 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
         C, 2C, ... of each sequence, C = checkpoint_interval(T)), to pass to
         :func:`gated_delta_rule_backward` as ``checkpoints=``: training then runs the recurrence
         forward once less. They cost checkpoint_count(T) ~ sqrt(T) states per sequence and head.
+    delta_rule : bool, default True
+        False writes ``u_t = beta_t v_t`` instead of the delta rule's correction: the rule family
+        in one kernel -- linear attention (alpha = 1, beta = 1), gated linear attention with a
+        scalar decay as in Mamba2 / RetNet or a per-key decay as in GLA (alpha or g), next to
+        DeltaNet (alpha = 1), Gated DeltaNet and Kimi Delta Attention's per-key-gated delta rule
+        (delta_rule=True). Same cost.
     check_values : bool, default True
         Warn (UserWarning, at the caller's line) when alpha is outside [0, 1], g above 0, beta
         outside [0, 2], or T < H with 1 < T (q may be head-first [B, H, T, D]). The results are
@@ -173,7 +177,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     output_final_state = flag(output_final_state, "output_final_state")
     return_checkpoints = flag(return_checkpoints, "return_checkpoints")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
-                 check_values=check_values)
+                 check_values=check_values, delta_rule=delta_rule)
     if return_checkpoints:
         o, S_T, ck = _forward(p, nt, checkpoints=True)
         return p.user_seq(o), (S_T if output_final_state else None), ck
@@ -189,6 +193,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
                               num_threads: Optional[int] = None, normalize_qk: bool = False,
                               cu_seqlens: Union[ArrayLike, Sequence[int], None] = None,
                               checkpoints: Optional[NDArray] = None, check_values: bool = True,
+                              delta_rule: bool = True,
                               ) -> Union[GatedDeltaRuleGrads, GatedDeltaRuleGradsG]:
     """Gradients of :func:`gated_delta_rule` (backpropagation through time, in C).
 
@@ -222,7 +227,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
         the backward then skips its own checkpoint pass (one forward recurrence). Checked for
         shape and for starting at initial_state; they must come from the same inputs, which is
         not otherwise checked.
-    check_values : bool, default True
+    check_values, delta_rule : bool, default True
         As for :func:`gated_delta_rule`.
 
     Returns
@@ -244,15 +249,15 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     do = as_real_array(do, "do")
     dST = None if dS_T is None else as_real_array(dS_T, "dS_T")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
-                 extra=[do] + ([dST] if dST is not None else []), check_values=check_values)
+                 extra=[do] + ([dST] if dST is not None else []), check_values=check_values,
+                 delta_rule=delta_rule)
     do_k, dST_k = _checked_output_grads(p, do, dST)
     args = (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args()
     if checkpoints is None:
-        ufunc = _core.gated_delta_rule_general_bwd if p.general else _core.gated_delta_rule_bwd
+        ufunc = p.ufunc("bwd")
     else:
         args += (_checked_ckpt(p, checkpoints, initial_state),)
-        ufunc = (_core.gated_delta_rule_general_bwd_ckpt if p.general
-                 else _core.gated_delta_rule_bwd_ckpt)
+        ufunc = p.ufunc("bwd_ckpt")
     grads, views = _new_grads(p)
     _call(ufunc, args, views, nt)
     return _user_grads(p, *grads)
@@ -343,7 +348,8 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
                           alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
                           state: Optional[ArrayLike], scale: float = 1.0,
                           normalize_qk: bool = False, num_threads: Optional[int] = None,
-                          inplace: bool = False, check_values: bool = True) -> StepResult:
+                          inplace: bool = False, check_values: bool = True,
+                          delta_rule: bool = True) -> StepResult:
     """One token of the gated delta rule: recurrent (decoding) form of :func:`gated_delta_rule`.
 
     ``o_t, S_t = gated_delta_rule_step(q_t, k_t, v_t, beta=beta_t, alpha=alpha_t, state=S_{t-1})``
@@ -369,6 +375,7 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
         writeable, C-contiguous ndarray of the result's dtype.
     check_values : bool, default True -- warn about alpha, g, beta out of range, as
         gated_delta_rule.
+    delta_rule : bool, default True -- False: u_t = beta_t v_t, as gated_delta_rule.
 
     Returns
     -------
@@ -388,7 +395,7 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
     nt = thread_count(num_threads)
     inplace = flag(inplace, "inplace")
     p = _Problem(q_t, k_t, v_t, beta, alpha, g, state, scale, normalize_qk, step=True,
-                 check_values=check_values)
+                 check_values=check_values, delta_rule=delta_rule)
     if not inplace:
         o, S_T = _forward(p, nt)
         return StepResult(p.user_seq(o)[:, 0], S_T)
@@ -402,7 +409,6 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
                          f"{'' if state.flags.c_contiguous else 'not '}C-contiguous")
     # the kernel reads every state row of a step before writing it, so S_t may overwrite S_{t-1}
     o, o_k = p.new_seq(p.Dv)
-    ufunc = _core.gated_delta_rule_general_fwd if p.general else _core.gated_delta_rule_fwd
-    _call(ufunc, (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args(),
+    _call(p.ufunc("fwd"), (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args(),
           (o_k, p.state_view(state)), nt)
     return StepResult(p.user_seq(o)[:, 0], state)

@@ -72,16 +72,20 @@ def _as_multihead(q, k, v, beta, gate, state, arrays_dtype):
     return single, q, k, v, beta, gate, state
 
 
-def _forward_loop(q, k, v, beta, alpha, S_cur, scale):
+def _forward_loop(q, k, v, beta, alpha, S_cur, scale, delta_rule=True):
     """The design note's loop, with heads: q, k [B, T, H, Dk] (one query/key per value head),
-    v [B, T, H, Dv], beta [B, T, H], alpha [B, T, H] or [B, T, H, Dk], S_cur [B, H, Dv, Dk]."""
+    v [B, T, H, Dv], beta [B, T, H], alpha [B, T, H] or [B, T, H, Dk], S_cur [B, H, Dv, Dk].
+    delta_rule=False: linear attention's write, v_t itself instead of the correction."""
     outputs = []
     for t in range(q.shape[1]):
         q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]
         g_t, e_t = alpha[:, t], beta[:, t]
         S_gated = gate_memory(S_cur, g_t)                  # forget: keep a fraction alpha
-        pred = batch_matvec(S_gated, k_t)                  # what memory returns for k_t
-        delta = v_t - pred                                 # the error to correct
+        if delta_rule:
+            pred = batch_matvec(S_gated, k_t)              # what memory returns for k_t
+            delta = v_t - pred                             # the error to correct
+        else:
+            delta = v_t                                    # linear attention: add v_t k_t^T
         write = batch_outer(delta, k_t)
         S_new = S_gated + write * e_t[..., None, None]     # write with strength beta
         o_t = scale * batch_matvec(S_new, q_t)             # read the updated state
@@ -91,13 +95,13 @@ def _forward_loop(q, k, v, beta, alpha, S_cur, scale):
     return o, S_cur
 
 
-def _backward_loop(do, q, k, v, beta, alpha, S0, dS_T, scale):
+def _backward_loop(do, q, k, v, beta, alpha, S0, dS_T, scale, delta_rule=True):
     """Backward of _forward_loop (same shapes), keeping every state."""
     T = q.shape[1]
     states, preds, writes = [S0], [], []
     for t in range(T):
         S_gated = gate_memory(states[-1], alpha[:, t])
-        pred = batch_matvec(S_gated, k[:, t])
+        pred = batch_matvec(S_gated, k[:, t]) if delta_rule else np.zeros_like(v[:, t])
         u = beta[:, t][..., None] * (v[:, t] - pred)
         states.append(S_gated + batch_outer(u, k[:, t]))
         preds.append(pred)
@@ -119,7 +123,7 @@ def _backward_loop(do, q, k, v, beta, alpha, S0, dS_T, scale):
         # u_t = beta_t (v_t - p_t)
         dbeta[:, t] = np.sum(du * (v[:, t] - preds[t]), axis=-1)
         dv[:, t] = b_t[..., None] * du
-        dp = -b_t[..., None] * du
+        dp = -b_t[..., None] * du if delta_rule else np.zeros_like(du)   # p_t feeds u_t
         # p_t = S_gated k_t
         S_gated = gate_memory(S_prev, a_t)
         dk[:, t] += batch_matvec(np.swapaxes(S_gated, -1, -2), dp)
@@ -159,9 +163,11 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                      alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
                      initial_state: Optional[ArrayLike] = None, scale: float = 1.0,
                      normalize_qk: bool = False, cu_seqlens: Optional[ArrayLike] = None,
-                     ) -> Tuple[np.ndarray, np.ndarray]:
+                     delta_rule: bool = True) -> Tuple[np.ndarray, np.ndarray]:
     """Forward loop of the design note, generalised. Returns (o, S_T) shaped as
-    :func:`gdn_ext.gated_delta_rule` returns them."""
+    :func:`gdn_ext.gated_delta_rule` returns them; ``delta_rule=False`` writes
+    ``beta_t v_t k_t^T`` (linear attention, gated or not) instead of the delta rule's
+    correction."""
     P = _prepare(q, k, v, beta, alpha, g, initial_state, normalize_qk)
     v, beta, alpha = P["v"], P["beta"], P["alpha"]
     B, T, HV, Dv = v.shape
@@ -173,7 +179,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
         else:
             S0 = P["S0"] if cu_seqlens is None else P["S0"][n:n + 1]
         o, S_T = _forward_loop(P["q_rep"][:, a:b], P["k_rep"][:, a:b], v[:, a:b], beta[:, a:b],
-                               alpha[:, a:b], S0, scale)
+                               alpha[:, a:b], S0, scale, delta_rule)
         outs.append(o)
         finals.append(S_T)
     o = np.concatenate(outs, axis=1)
@@ -189,6 +195,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
                               initial_state: Optional[ArrayLike] = None,
                               dS_T: Optional[ArrayLike] = None, scale: float = 1.0,
                               normalize_qk: bool = False, cu_seqlens: Optional[ArrayLike] = None,
+                              delta_rule: bool = True,
                               ) -> Union[GatedDeltaRuleGrads, GatedDeltaRuleGradsG]:
     """Backward pass over time (README, "The backward pass") of :func:`gated_delta_rule`, keeping
     every state. Returns the same named tuple as :func:`gdn_ext.gated_delta_rule_backward`."""
@@ -211,7 +218,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
         dST_n = None if dS_T is None else (dS_T if cu_seqlens is None else dS_T[n:n + 1])
         (dq_rep[:, a:b], dk_rep[:, a:b], dv[:, a:b], dbeta[:, a:b], dalpha[:, a:b],
          dS0_n) = _backward_loop(do[:, a:b], P["q_rep"][:, a:b], P["k_rep"][:, a:b], v[:, a:b],
-                                 beta[:, a:b], alpha[:, a:b], S0, dST_n, scale)
+                                 beta[:, a:b], alpha[:, a:b], S0, dST_n, scale, delta_rule)
         dS0.append(dS0_n)
     dS0 = dS0[0] if cu_seqlens is None else np.concatenate(dS0, axis=0)
 

@@ -40,6 +40,11 @@
     ``cu_seqlens``): they skip their own checkpoint pass and trust the checkpoints to come from a
     forward over the same inputs (``gdn_ext.gated_delta_rule_backward`` checks what it can).
 
+The rule family: ``gated_rule_fwd`` / ``gated_rule_bwd`` (and their ``_ckpt`` variants) are the
+general pair with one more input after ``cu_seqlens``, ``delta_rule`` (a scalar per loop
+element): nonzero is the delta rule, zero writes ``u_t = beta_t v_t`` (linear attention and its
+gated forms, GLA, Mamba2 / RetNet decays).
+
 Grouped value heads need no ufunc of their own: broadcast q and k over the value heads of a
 group (a stride-0 view, no copy) and sum dq, dk over the group afterwards.
 
@@ -71,8 +76,10 @@ from ._native import _core
 from ._core import (gated_delta_rule_bwd, gated_delta_rule_bwd_ckpt, gated_delta_rule_fwd,
                     gated_delta_rule_fwd_ckpt, gated_delta_rule_general_bwd,
                     gated_delta_rule_general_bwd_ckpt, gated_delta_rule_general_fwd,
-                    gated_delta_rule_general_fwd_ckpt)
+                    gated_delta_rule_general_fwd_ckpt, gated_rule_bwd, gated_rule_bwd_ckpt,
+                    gated_rule_fwd, gated_rule_fwd_ckpt)
 
 __all__ = ["gated_delta_rule_fwd", "gated_delta_rule_bwd", "gated_delta_rule_general_fwd",
            "gated_delta_rule_general_bwd", "gated_delta_rule_fwd_ckpt", "gated_delta_rule_bwd_ckpt",
-           "gated_delta_rule_general_fwd_ckpt", "gated_delta_rule_general_bwd_ckpt"]
+           "gated_delta_rule_general_fwd_ckpt", "gated_delta_rule_general_bwd_ckpt",
+           "gated_rule_fwd", "gated_rule_bwd", "gated_rule_fwd_ckpt", "gated_rule_bwd_ckpt"]

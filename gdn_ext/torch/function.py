@@ -59,7 +59,7 @@ def _gate_kw(gate, gate_is_log):
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
             gate: torch.Tensor, initial_state: Optional[torch.Tensor], scale: float,
             gate_is_log: bool, normalize_qk: bool, cu_seqlens: Optional[torch.Tensor],
-            keep_checkpoints: bool, num_threads: int,
+            keep_checkpoints: bool, num_threads: int, delta_rule: bool,
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, S_T, checkpoints): checkpoints [..., NCK, Dv, Dk] with NCK = checkpoint_count(T)
     (zeros past a packed sequence's own count), or an empty tensor when not kept."""
@@ -67,7 +67,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
                       **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
                       scale=scale, normalize_qk=normalize_qk, cu_seqlens=_numpy(cu_seqlens),
                       num_threads=num_threads or None, return_checkpoints=keep_checkpoints,
-                      check_values=False)
+                      check_values=False, delta_rule=delta_rule)
     o, S_T = torch.from_numpy(out[0]), torch.from_numpy(out[1])
     if not keep_checkpoints:
         return o, S_T, q.new_empty((0,))
@@ -82,7 +82,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
 
 @_fwd_op.register_fake
 def _(q, k, v, beta, gate, initial_state, scale, gate_is_log, normalize_qk, cu_seqlens,
-      keep_checkpoints, num_threads):
+      keep_checkpoints, num_threads, delta_rule):
     S = _state_shape(q, v, initial_state, cu_seqlens)
     ck = (S[:-2] + (_ckpt_count(q.shape[1]),) + S[-2:]) if keep_checkpoints else (0,)
     return v.new_empty(v.shape), v.new_empty(S), v.new_empty(ck)
@@ -93,7 +93,8 @@ def _bwd_op(do: torch.Tensor, dS_T: Optional[torch.Tensor], q: torch.Tensor, k: 
             v: torch.Tensor, beta: torch.Tensor, gate: torch.Tensor,
             initial_state: Optional[torch.Tensor], checkpoints: Optional[torch.Tensor],
             scale: float, gate_is_log: bool, normalize_qk: bool,
-            cu_seqlens: Optional[torch.Tensor], num_threads: int) -> List[torch.Tensor]:
+            cu_seqlens: Optional[torch.Tensor], num_threads: int,
+            delta_rule: bool) -> List[torch.Tensor]:
     """[dq, dk, dv, dbeta, dgate, d_initial_state] (the last one shaped as the state)."""
     ck = _numpy(checkpoints)
     cu = _numpy(cu_seqlens)
@@ -103,13 +104,14 @@ def _bwd_op(do: torch.Tensor, dS_T: Optional[torch.Tensor], q: torch.Tensor, k: 
     g = _np_backward(_numpy(do), _numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
                      **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
                      dS_T=_numpy(dS_T), scale=scale, normalize_qk=normalize_qk, cu_seqlens=cu,
-                     num_threads=num_threads or None, checkpoints=ck, check_values=False)
+                     num_threads=num_threads or None, checkpoints=ck, check_values=False,
+                     delta_rule=delta_rule)
     return [torch.from_numpy(np.ascontiguousarray(x)) for x in g]
 
 
 @_bwd_op.register_fake
 def _(do, dS_T, q, k, v, beta, gate, initial_state, checkpoints, scale, gate_is_log,
-      normalize_qk, cu_seqlens, num_threads):
+      normalize_qk, cu_seqlens, num_threads, delta_rule):
     S = _state_shape(q, v, initial_state, cu_seqlens)
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             beta.new_empty(beta.shape), gate.new_empty(gate.shape), v.new_empty(S)]
@@ -120,33 +122,33 @@ _INPUTS = ("q", "k", "v", "beta", "gate", "initial_state")
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, beta, gate, initial_state, scale, gate_is_log, normalize_qk, cu_seqlens,
-     keep_checkpoints, num_threads) = inputs
+     keep_checkpoints, num_threads, delta_rule) = inputs
     ckpt = output[2] if keep_checkpoints else None
     ctx.save_for_backward(q, k, v, beta, gate, initial_state, cu_seqlens, ckpt)
-    ctx.opts = (scale, gate_is_log, normalize_qk, num_threads)
+    ctx.opts = (scale, gate_is_log, normalize_qk, num_threads, delta_rule)
 
 
 def _backward(ctx, do, dS_T, _dckpt):
     q, k, v, beta, gate, initial_state, cu_seqlens, ckpt = ctx.saved_tensors
-    scale, gate_is_log, normalize_qk, num_threads = ctx.opts
+    scale, gate_is_log, normalize_qk, num_threads, delta_rule = ctx.opts
     inputs = (q, k, v, beta, gate, initial_state)
     if do is None:
         do = torch.zeros_like(v)
     if torch.is_grad_enabled():
         # create_graph=True: the gradient must itself be differentiable; the torch loop is
         return _differentiable_backward(ctx, inputs, do, dS_T, scale, gate_is_log,
-                                        normalize_qk, cu_seqlens)
+                                        normalize_qk, cu_seqlens, delta_rule)
     grads = torch.ops.gdn_ext.gated_delta_rule_bwd(
         do, dS_T, q, k, v, beta, gate, initial_state, ckpt, scale, gate_is_log, normalize_qk,
-        cu_seqlens, num_threads)
+        cu_seqlens, num_threads, delta_rule)
     grads = list(grads)
     if initial_state is None:
         grads[5] = None
-    return tuple(grads) + (None,) * 6
+    return tuple(grads) + (None,) * 7
 
 
 def _differentiable_backward(ctx, inputs, do, dS_T, scale, gate_is_log, normalize_qk,
-                             cu_seqlens):
+                             cu_seqlens, delta_rule):
     """The gradients as torch operations (the reference loop under autograd), so that a second
     derivative flows through them."""
     q, k, v, beta, gate, initial_state = inputs
@@ -156,7 +158,8 @@ def _differentiable_backward(ctx, inputs, do, dS_T, scale, gate_is_log, normaliz
         o, S_T = reference_gated_delta_rule(
             q, k, v, beta=beta, **({"g": gate} if gate_is_log else {"alpha": gate}),
             initial_state=initial_state, scale=scale, normalize_qk=normalize_qk,
-            cu_seqlens=None if cu_seqlens is None else cu_seqlens.tolist())
+            cu_seqlens=None if cu_seqlens is None else cu_seqlens.tolist(),
+            delta_rule=delta_rule)
         pairs = [(x, dx) for x, dx in ((o, do), (S_T, dS_T))
                  if dx is not None and x.requires_grad]
         if not pairs:
@@ -168,7 +171,7 @@ def _differentiable_backward(ctx, inputs, do, dS_T, scale, gate_is_log, normaliz
     result = [None] * 6
     for i, g in zip(wanted, got):
         result[i] = torch.zeros_like(inputs[i]) if g is None else g
-    return tuple(result) + (None,) * 6
+    return tuple(result) + (None,) * 7
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -214,7 +217,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
                      initial_state: Optional[torch.Tensor] = None, scale: float = 1.0,
                      output_final_state: bool = True, normalize_qk: bool = False,
                      cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
-                     num_threads: Optional[int] = None,
+                     num_threads: Optional[int] = None, delta_rule: bool = True,
                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`gdn_ext.gated_delta_rule` on torch tensors, differentiable (autograd).
 
@@ -223,7 +226,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     q, k [B, T, H, Dk]; v [B, T, HV, Dv]; beta [B, T, HV]; alpha or g [B, T, HV] or
     [B, T, HV, Dk]; initial_state [B, HV, Dv, Dk] (packed: [N, HV, Dv, Dk]); the single-head
     form; ``scale`` default 1; ``normalize_qk``; ``cu_seqlens`` (a tensor or sequence of ints,
-    with B = 1).
+    with B = 1); ``delta_rule=False`` for linear attention's write u_t = beta_t v_t (the rule
+    family, as :func:`gdn_ext.gated_delta_rule`).
 
     Returns (o, S_T): o [B, T, HV, Dv], S_T shaped as the state (None when output_final_state is
     False). Gradients reach every tensor input through gdn_ext's C backward pass over time;
@@ -271,11 +275,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     threads = thread_count(num_threads)
     normalize_qk = flag(normalize_qk, "normalize_qk")
     output_final_state = flag(output_final_state, "output_final_state")
+    delta_rule = flag(delta_rule, "delta_rule")
     # Under torch.compile the checkpoints are not handed over: their count is a function of T
     # (about sqrt(T)) that would fix T in the graph; the backward then makes its own.
     keep = (torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
             and not torch.compiler.is_compiling())
     o, S_T, _ = torch.ops.gdn_ext.gated_delta_rule_fwd(
         q, k, v, beta, gate, initial_state, float(scale), gate_name == "g", normalize_qk,
-        cu_seqlens, keep, threads)
+        cu_seqlens, keep, threads, delta_rule)
     return o, (S_T if output_final_state else None)

@@ -17,6 +17,7 @@ def reference_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                initial_state: Optional[torch.Tensor] = None, scale: float = 1.0,
                                output_final_state: bool = True, normalize_qk: bool = False,
                                cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
+                               delta_rule: bool = True,
                                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The design note's loop in plain torch ops, one token at a time: the autograd baseline.
 
@@ -63,8 +64,11 @@ def reference_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             S_cur = initial_state if cu_seqlens is None else initial_state[n:n + 1]
         for t in range(a, b):
             S_gated = gate_memory(S_cur, gate[:, t])          # forget
-            pred = batch_matvec(S_gated, k[:, t])             # what memory returns for k_t
-            delta = v[:, t] - pred                            # the error to correct
+            if delta_rule:
+                pred = batch_matvec(S_gated, k[:, t])         # what memory returns for k_t
+                delta = v[:, t] - pred                        # the error to correct
+            else:
+                delta = v[:, t]                               # linear attention's write
             S_cur = S_gated + batch_outer(delta, k[:, t]) * beta[:, t][..., None, None]
             outs.append(scale * batch_matvec(S_cur, q[:, t]))  # read the updated state
         finals.append(S_cur)

@@ -51,7 +51,7 @@ int main(void)
     const int64_t cu[2] = {0, T};
     float *ws = calloc(gdn_fwd_workspace_len(T, DK, DV), sizeof(float));
     gdn_forward_f32(&o[0][0], &ST[0][0], NULL, &q[0][0], &k[0][0], &v[0][0], alpha, beta,
-                    &S0[0][0], &scale, &normalize, cu, &st, &sz, 1, ws);
+                    &S0[0][0], &scale, &normalize, NULL, cu, &st, &sz, 1, ws);
     double err = 0;
     for (int t = 0; t < T; t++)
         for (int i = 0; i < DV; i++) err = fmax(err, fabs(o[t][i] - ref[t][i]));
