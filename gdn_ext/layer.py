@@ -28,7 +28,12 @@ from ._constants import L2_EPS, RMS_EPS
 from ._results import LayerGrads, LayerStepResult
 from .recurrence import gated_delta_rule, gated_delta_rule_backward, gated_delta_rule_step
 
-__all__ = ["GatedDeltaNetParams", "rmsnorm", "rmsnorm_backward", "l2norm", "l2norm_backward",
+# The rule family by name: (gated, delta_rule). The design note's lesson in order: linear
+# attention, then the delta rule (DeltaNet), then gating (Mamba2's forget gate), then both.
+RULES = {"linear": (False, False), "delta": (False, True), "gated_linear": (True, False),
+         "gated_delta": (True, True)}
+
+__all__ = ["RULES", "GatedDeltaNetParams", "rmsnorm", "rmsnorm_backward", "l2norm", "l2norm_backward",
            "gated_deltanet_forward", "gated_deltanet_backward", "gated_deltanet_step"]
 
 
@@ -221,15 +226,17 @@ def _check(x, S, params, name="x"):
     return x, S
 
 
-def _projections(x, params, normalize_qk):
-    """The layer up to the recurrence's inputs, keeping what the backward needs."""
+def _projections(x, params, normalize_qk, gated=True):
+    """The layer up to the recurrence's inputs, keeping what the backward needs (gated=False:
+    the gate is 1, no forgetting, and Wg_state is unused)."""
     B, T, _ = x.shape
     H, Dk, Dv = params.n_heads, params.d_key, params.d_value
     h = rmsnorm(x, params.norm_weight)                          # [B, T, D]
     q_raw = (h @ params.Wq).reshape(B, T, H, Dk)
     k_raw = (h @ params.Wk).reshape(B, T, H, Dk)
     v = (h @ params.Wv).reshape(B, T, H, Dv)
-    gate = _sigmoid(h @ params.Wg_state)                        # [B, T, H], alpha
+    gate = (_sigmoid(h @ params.Wg_state) if gated              # [B, T, H], alpha
+            else np.ones((B, T, H), h.dtype))
     eta = _sigmoid(h @ params.Weta)                             # [B, T, H], beta
     q = l2norm(q_raw) if normalize_qk else q_raw
     k = l2norm(k_raw) if normalize_qk else k_raw
@@ -239,7 +246,7 @@ def _projections(x, params, normalize_qk):
 def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
                            normalize_qk: bool = False, scale: float = 1.0,
                            num_threads: Optional[int] = None, delta_rule: bool = True,
-                           ) -> Tuple[np.ndarray, np.ndarray]:
+                           gated: bool = True) -> Tuple[np.ndarray, np.ndarray]:
     """The design note's Gated DeltaNet layer: ``y, S_T = gated_deltanet_forward(x, S, params)``.
 
     Parameters
@@ -256,6 +263,9 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
     delta_rule : bool, default True
         False: the same layer with linear attention's write (u_t = eta_t v_t), the note's
         earlier steps (gated linear attention); see :func:`gdn_ext.gated_delta_rule`.
+    gated : bool, default True
+        False: no forget gate (alpha = 1; Wg_state unused, its gradient 0): with
+        ``delta_rule=True`` DeltaNet, with False plain linear attention. ``RULES`` names the four.
 
     Returns
     -------
@@ -272,7 +282,8 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
     x, S = _check(x, S, params)
     normalize_qk = flag(normalize_qk, "normalize_qk")
     B, T, D = x.shape
-    h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk)
+    gated = flag(gated, "gated")
+    h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk, gated)
     # the layer makes q, k, v itself, gates in [0, 1]: nothing for check_values to find
     O, S_T = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
                               num_threads=num_threads, check_values=False,
@@ -285,7 +296,7 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
                             params: GatedDeltaNetParams, dS_T: Optional[ArrayLike] = None, *,
                             normalize_qk: bool = False, scale: float = 1.0,
                             num_threads: Optional[int] = None, delta_rule: bool = True,
-                            ) -> LayerGrads:
+                            gated: bool = True) -> LayerGrads:
     """Backward of :func:`gated_deltanet_forward`: ``dx, dS, dparams``.
 
     Recomputes the forward's projections (cheap), runs the recurrence's backward in C
@@ -312,7 +323,8 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
     expect_shape(dy, "dy", x.shape, "[B, T, D]")
     B, T, D = x.shape
     H, Dv = params.n_heads, params.d_value
-    h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk)
+    gated = flag(gated, "gated")
+    h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk, gated)
 
     # y = x + O Wo
     O, _ = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
@@ -330,7 +342,7 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
     if normalize_qk:
         dq, dk = l2norm_backward(dq, q_raw), l2norm_backward(dk, k_raw)
     # gate = sigmoid(h Wg_state), eta = sigmoid(h Weta)
-    dg_pre = g.dalpha * gate * (1 - gate)
+    dg_pre = g.dalpha * gate * (1 - gate) if gated else np.zeros_like(gate)
     de_pre = g.dbeta * eta * (1 - eta)
     # q = h Wq, k = h Wk, v = h Wv
     h2 = h.reshape(B * T, D)
@@ -348,7 +360,7 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
 def gated_deltanet_step(x_t: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
                         normalize_qk: bool = False, scale: float = 1.0,
                         num_threads: Optional[int] = None, delta_rule: bool = True,
-                        ) -> LayerStepResult:
+                        gated: bool = True) -> LayerStepResult:
     """One token through the layer: ``y_t, S_new = gated_deltanet_step(x_t, S, params)``.
 
     x_t [B, D]; S [B, H, Dv, Dk] or None (zeros); normalize_qk, scale, num_threads as for
@@ -361,7 +373,8 @@ def gated_deltanet_step(x_t: ArrayLike, S: Optional[ArrayLike], params: GatedDel
         raise ValueError(f"x_t must have shape [B, D]; got {fmt(x_t.shape)}")
     normalize_qk = flag(normalize_qk, "normalize_qk")
     x, S = _check(x_t[:, None, :], S, params, name="x_t")
-    h, _, _, q, k, v, gate, eta = _projections(x, params, normalize_qk)
+    gated = flag(gated, "gated")
+    h, _, _, q, k, v, gate, eta = _projections(x, params, normalize_qk, gated)
     o, S_new = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta=eta[:, 0],
                                      alpha=gate[:, 0], state=S, scale=scale,
                                      num_threads=num_threads, check_values=False,

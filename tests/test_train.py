@@ -88,3 +88,36 @@ def test_cli_short_text_and_missing_matplotlib(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         main(["--plot", str(tmp_path / "x.png")])
     assert info.value.code == 2 and "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_cli_compares_rules(tmp_path, capsys):
+    """--rule trains one model per rule, same sizes, seed and steps, and prints a table."""
+    from gdn_ext.__main__ import main
+    path = tmp_path / "tiny.txt"
+    path.write_text(lm.load_text()[:40_000], encoding="utf-8")
+    argv = ["--text", str(path), "--steps", "100", "--d-model", "32", "--layers", "1", "--heads",
+            "2", "--head-dim", "8", "--batch", "8", "--seq-len", "32", "--lr", "1e-2",
+            "--no-progress", "--threads", "1", "--rule", "linear", "gated_delta"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("rule "):].splitlines()
+    assert table[1].startswith("linear") and table[2].startswith("gated_delta")
+    assert table[1].split()[-1] == table[2].split()[-1]          # same number of parameters
+    assert "(linear rule)" in out and "(gated_delta rule)" in out
+
+
+def test_lm_rules_differ_and_ungated_ignores_the_gate():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (2, 12))
+    y = rng.integers(0, 20, (2, 12))
+    losses = {}
+    for rule in ("linear", "delta", "gated_linear", "gated_delta"):
+        m = lm.CharLM.init(20, d_model=16, n_layers=1, n_heads=2, d_head=4, seed=1, rule=rule)
+        loss, grads = m.loss_and_grads(x, y, num_threads=1)
+        losses[rule] = loss
+        names = [n for n, _ in m.layers[0]]
+        dWg = grads[1 + names.index("Wg_state")]
+        assert (np.abs(dWg).max() == 0) == (rule in ("linear", "delta")), rule
+    assert len({round(v, 10) for v in losses.values()}) == 4
+    with pytest.raises(ValueError, match="rule must be one of"):
+        lm.CharLM.init(20, rule="mamba")

@@ -299,6 +299,8 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
             "per-key gate": (_inputs(B, T, H, D, dt, per_key=True), {}),
             "grouped heads (HV = 2H)": (_inputs(B, T, H // 2 or 1, D, dt, HV=H), {}),
             "q/k L2 norm": (x, dict(normalize_qk=True)),
+            # the rule family: linear attention's write, same kernels (speed must hold)
+            "gated linear attention (delta_rule=False)": (x, dict(delta_rule=False)),
         }
         packed = {n: a.reshape((1, B * T) + a.shape[2:]) for n, a in x.items()}
         cu = np.linspace(0, B * T, 2 * B + 1).astype(np.int64)   # 2B sequences of T/2

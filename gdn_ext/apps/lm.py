@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layer import (GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward,
+from ..layer import (RULES, GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward,
                     gated_deltanet_step, rmsnorm, rmsnorm_backward)
 
 __all__ = ["load_text", "CharVocab", "CharLM", "Adam", "unigram_baseline", "cross_entropy"]
@@ -71,10 +71,16 @@ class CharLM:
     norm_weight: np.ndarray
     head: np.ndarray
     normalize_qk: bool = True
+    rule: str = "gated_delta"   # a key of gdn_ext.layer.RULES: the token mixer's rule
+
+    @property
+    def _rule(self):
+        gated, delta = RULES[self.rule]
+        return dict(gated=gated, delta_rule=delta)
 
     @classmethod
     def init(cls, vocab_size, d_model=128, n_layers=3, n_heads=4, d_head=32, seed=0,
-             dtype=np.float32):
+             dtype=np.float32, rule="gated_delta"):
         """Random weights: embeddings N(0, 1), layers as GatedDeltaNetParams.init (Wo scaled by
         1/sqrt(2 n_layers)), head N(0, 1/d_model). d_head is Dk = Dv of every head."""
         rng = np.random.default_rng(seed)
@@ -82,8 +88,10 @@ class CharLM:
                                            dtype=dtype) for i in range(n_layers)]
         for p in layers:   # small residual branches at init, as deep residual nets do
             p.Wo *= 1.0 / math.sqrt(2 * n_layers)
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {sorted(RULES)}; got {rule!r}")
         return cls(embed=rng.standard_normal((vocab_size, d_model)).astype(dtype),
-                   layers=layers, norm_weight=np.ones(d_model, dtype),
+                   layers=layers, norm_weight=np.ones(d_model, dtype), rule=rule,
                    head=(rng.standard_normal((d_model, vocab_size)) / math.sqrt(d_model)
                          ).astype(dtype))
 
@@ -106,7 +114,7 @@ class CharLM:
         xs = [self.embed[tokens]]                                  # [B, T, D]
         for p in self.layers:
             y, _ = gated_deltanet_forward(xs[-1], None, p, normalize_qk=self.normalize_qk,
-                                          num_threads=num_threads)
+                                          num_threads=num_threads, **self._rule)
             xs.append(y)
         h = rmsnorm(xs[-1], self.norm_weight)
         logits = h.reshape(B * T, -1) @ self.head
@@ -119,7 +127,7 @@ class CharLM:
         layer_grads = []
         for p, x in zip(reversed(self.layers), reversed(xs[:-1])):
             dx, _, dp = gated_deltanet_backward(dx, x, None, p, normalize_qk=self.normalize_qk,
-                                                num_threads=num_threads)
+                                                num_threads=num_threads, **self._rule)
             layer_grads.append(dp)
         dembed = np.zeros_like(self.embed)
         np.add.at(dembed, tokens.reshape(-1), dx.reshape(B * T, -1))
@@ -134,7 +142,7 @@ class CharLM:
         x = self.embed[tokens]
         for p in self.layers:
             x, _ = gated_deltanet_forward(x, None, p, normalize_qk=self.normalize_qk,
-                                          num_threads=num_threads)
+                                          num_threads=num_threads, **self._rule)
         logits = rmsnorm(x, self.norm_weight).reshape(B * T, -1) @ self.head
         return cross_entropy(logits, targets.reshape(-1))[0]
 
@@ -150,7 +158,8 @@ class CharLM:
                 out.append(tok)
             x = self.embed[[tok]]                                   # [1, D]
             for j, p in enumerate(self.layers):
-                x, states[j] = gated_deltanet_step(x, states[j], p, normalize_qk=self.normalize_qk)
+                x, states[j] = gated_deltanet_step(x, states[j], p, normalize_qk=self.normalize_qk,
+                                                   **self._rule)
             logits = (rmsnorm(x, self.norm_weight) @ self.head)[0]
         return out
 

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from ..layer import RULES
 from .lm import Adam, CharLM, CharVocab, load_text, unigram_baseline
 
 __all__ = ["train", "main"]
@@ -24,7 +25,7 @@ def _windows(ids, starts, T):
 
 def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=16, seq_len=128,
           lr=3e-3, seed=0, num_threads=None, eval_every=100, sample_len=240, progress=True,
-          log=print):
+          log=print, rule="gated_delta"):
     """Train and evaluate; returns a dict of results (losses, baseline, sample, speed).
 
     Loss unit: nats per character (mean cross-entropy of the next character)."""
@@ -37,7 +38,7 @@ def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=
                          f"10% is held out, so at least {10 * (seq_len + 2)} are needed")
     baseline = unigram_baseline(train_ids, val_ids, len(vocab))
     rng = np.random.default_rng(seed)
-    model = CharLM.init(len(vocab), d_model, n_layers, n_heads, d_head, seed=seed)
+    model = CharLM.init(len(vocab), d_model, n_layers, n_heads, d_head, seed=seed, rule=rule)
     opt = Adam(model.arrays(), lr=lr)
     # a fixed set of held-out windows, the same at every evaluation
     n_val = max(1, min(8, (len(val_ids) - 1) // seq_len // batch))
@@ -47,7 +48,7 @@ def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=
     def val_loss():
         return float(np.mean([model.loss(x, y, num_threads) for x, y in val_batches]))
 
-    log(f"text: {len(ids):,} characters, vocabulary {len(vocab)}; model: {n_layers} Gated DeltaNet "
+    log(f"text: {len(ids):,} characters, vocabulary {len(vocab)}; model ({rule} rule): {n_layers} "
         f"layer{'s' if n_layers != 1 else ''}, d_model {d_model}, {n_heads} head"
         f"{'s' if n_heads != 1 else ''} of {d_head}, {model.n_params():,} parameters")
     log(f"unigram baseline on the validation text: {baseline:.3f} nats/char")
@@ -92,21 +93,27 @@ def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=
             "sample": vocab.decode(sample_ids)}
 
 
-def plot(history, baseline, path):
-    """Save the training and validation loss curves to a PNG (needs matplotlib)."""
+def plot(histories, baseline, path):
+    """Save the training and validation loss curves to a PNG (needs matplotlib); histories: a
+    history, or a dict of them by rule (one colour each)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    if "train" in histories:
+        histories = {"": histories}
     fig, ax = plt.subplots(figsize=(7, 4))
-    tr = np.asarray(history["train"])
-    w = max(1, len(tr) // 50)
-    smooth = np.convolve(tr, np.ones(w) / w, mode="valid")
-    ax.plot(np.arange(len(smooth)) + w, smooth,
-            label=f"train (mean of {w} steps)" if w > 1 else "train")
-    ax.plot(history["val_step"], history["val"], "o-", label="validation")
+    for i, (rule, history) in enumerate(histories.items()):
+        tr = np.asarray(history["train"])
+        w = max(1, len(tr) // 50)
+        smooth = np.convolve(tr, np.ones(w) / w, mode="valid")
+        name = f"{rule} " if rule else ""
+        ax.plot(np.arange(len(smooth)) + w, smooth, color=f"C{i}", alpha=0.6,
+                label=f"{name}train (mean of {w} steps)" if w > 1 else f"{name}train")
+        ax.plot(history["val_step"], history["val"], "o-", color=f"C{i}",
+                label=f"{name}validation")
     ax.axhline(baseline, color="gray", ls="--", label="unigram baseline")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / character)")
@@ -157,7 +164,13 @@ def main(argv=None):
     ap.add_argument("--plot", metavar="FILE.png", default=None,
                     help="save the loss curves (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--rule", nargs="+", choices=list(RULES) + ["all"], default=["gated_delta"],
+                    help="the token mixer's rule (default gated_delta): linear attention, "
+                         "DeltaNet, gated linear attention or Gated DeltaNet; several (or 'all') "
+                         "train one model each, same weights' shapes, seed and steps, and "
+                         "compare them")
     a = ap.parse_args(argv)
+    rules = list(RULES) if "all" in a.rule else list(dict.fromkeys(a.rule))
     if a.plot:  # fail now, not after training
         try:
             import matplotlib  # noqa: F401
@@ -178,20 +191,35 @@ def main(argv=None):
     except ImportError:
         ap.error('threadpoolctl is missing: install the applications\' extra, '
                  'pip install "gdn_ext[apps]"')
+    results = {}
     with threadpool_limits(limits=1, user_api="blas"):
-        res = train(text, steps=a.steps, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads,
-                    d_head=a.head_dim, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
-                    num_threads=a.threads, progress=not a.no_progress)
-    val, base = res["val_loss"], res["baseline"]
-    if not np.isfinite(val):
-        print(f"training diverged (validation loss {val}); try a smaller --lr", file=sys.stderr)
-        return 1
-    print(f"trained {a.steps} steps in {res['seconds']:.0f} s ({res['tokens_per_s']:,.0f} tokens/s)")
-    rel = 100 * (1 - val / base)
-    print(f"validation loss {val:.3f} nats/char ({val / math.log(2):.2f} bits/char) vs unigram "
-          f"baseline {base:.3f}: {abs(rel):.0f}% {'below' if rel >= 0 else 'above'}")
-    print("sample:\n" + res["sample"])
+        for rule in rules:
+            res = results[rule] = train(
+                text, steps=a.steps, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads,
+                d_head=a.head_dim, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
+                num_threads=a.threads, progress=not a.no_progress, rule=rule)
+            val, base = res["val_loss"], res["baseline"]
+            if not np.isfinite(val):
+                print(f"{rule}: training diverged (validation loss {val}); try a smaller --lr",
+                      file=sys.stderr)
+                continue
+            print(f"trained {a.steps} steps in {res['seconds']:.0f} s "
+                  f"({res['tokens_per_s']:,.0f} tokens/s)")
+            rel = 100 * (1 - val / base)
+            print(f"validation loss {val:.3f} nats/char ({val / math.log(2):.2f} bits/char) vs "
+                  f"unigram baseline {base:.3f}: {abs(rel):.0f}% {'below' if rel >= 0 else 'above'}")
+            print("sample:\n" + res["sample"])
+    base = next(iter(results.values()))["baseline"]
+    if len(rules) > 1:
+        print(f"\n{'rule':<14}{'val nats/char':>14}{'bits/char':>11}{'vs unigram':>12}"
+              f"{'tokens/s':>11}{'parameters':>12}")
+        for rule, res in results.items():
+            val = res["val_loss"]
+            print(f"{rule:<14}{val:>14.3f}{val / math.log(2):>11.2f}"
+                  f"{100 * (val / base - 1):>+11.0f}%{res['tokens_per_s']:>11,.0f}"
+                  f"{res['model'].n_params():>12,}")
     if a.plot:
-        plot(res["history"], base, a.plot)
+        plot({r: res["history"] for r, res in results.items()}, base, a.plot)
         print(f"loss curves saved to {a.plot}")
-    return 0 if val < base else 1
+    return 0 if all(np.isfinite(r["val_loss"]) and r["val_loss"] < base
+                    for r in results.values()) else 1
