@@ -24,6 +24,7 @@ _LIBRARY = {   # public names -> the module that holds them (loaded with the com
     "gated_delta_rule": "recurrence", "gated_delta_rule_backward": "recurrence",
     "gated_delta_rule_step": "recurrence", "openmp_enabled": "recurrence",
     "checkpoint_interval": "recurrence", "checkpoint_count": "recurrence",
+    "threads": "recurrence",
 }
 __all__ = list(_LIBRARY) + ["GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult",
                             "LayerStepResult", "LayerGrads", "reference", "__version__"]
@@ -66,7 +67,8 @@ if _CORE_ERROR is None:
     from .layer import (GatedDeltaNetParams, gated_deltanet_backward,  # noqa: E402
                         gated_deltanet_forward, gated_deltanet_step, l2norm, rmsnorm)
     from .recurrence import (checkpoint_count, checkpoint_interval, gated_delta_rule,  # noqa: E402
-                             gated_delta_rule_backward, gated_delta_rule_step, openmp_enabled)
+                             gated_delta_rule_backward, gated_delta_rule_step, openmp_enabled,
+                             threads)
 else:
     def __getattr__(name):
         if name in _LIBRARY:

@@ -12,6 +12,7 @@ COMMANDS = {
     "demo": ("demo", "time the C forward and backward on random inputs"),
     "bench": ("bench", "gdn_ext's speed next to its peers (GFLOP/s, x peak)"),
     "bench-qwen3-next": ("bench_qwen3_next", "a small Qwen3-Next model with and without gdn_ext"),
+    "ondisk": ("ondisk", "a batch larger than memory from zarr through gdn_ext.dask"),
 }
 USAGE = f"usage: python -m gdn_ext [{{{','.join(COMMANDS)}}}] [options]"
 

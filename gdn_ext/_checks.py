@@ -1,5 +1,6 @@
 """Argument checking shared by the public functions: every message names the argument and the
 shape it expected, so that bad input fails here, in Python, before any kernel runs."""
+import contextvars
 import math
 import operator
 import os
@@ -59,10 +60,15 @@ def real_scalar(x, name):
     return f
 
 
+# The thread count set by gdn_ext.threads(n) for the current thread (and asyncio task); 0: none.
+context_threads = contextvars.ContextVar("gdn_ext_threads", default=0)
+
+
 def thread_count(num_threads):
-    """None -> 0 (OpenMP's default: OMP_NUM_THREADS / threadpoolctl); else a positive int."""
+    """None -> gdn_ext.threads(n)'s n when inside one, else 0 (OpenMP's default:
+    OMP_NUM_THREADS / threadpoolctl); else a positive int."""
     if num_threads is None:
-        return 0
+        return context_threads.get()
     if isinstance(num_threads, bool):
         raise TypeError("num_threads must be None or a positive int; got a bool")
     try:

@@ -5,18 +5,43 @@ Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence, Union
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._native import _core
-from ._checks import as_real_array, expect_shape, flag, sequence_length, thread_count, warn
+from ._checks import (as_real_array, context_threads, expect_shape, flag, sequence_length,
+                      thread_count, warn)
 from ._problem import _Problem
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, StepResult
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
+__all__ = ["threads", "gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
            "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count", "StepResult"]
+
+
+@contextlib.contextmanager
+def threads(n: Optional[int]):
+    """Run gdn_ext's kernels on ``n`` threads inside a ``with`` block, in the calling thread
+    (and asyncio task) only::
+
+        with gdn_ext.threads(4):
+            o, S = gdn_ext.gated_delta_rule(q, k, v, beta=beta, g=g)
+
+    Precedence: a call's own ``num_threads=`` > the innermost ``threads(n)`` > threadpoolctl's
+    OpenMP limit and ``OMP_NUM_THREADS`` (OpenMP's default; torch shares the runtime, so
+    ``torch.set_num_threads`` changes it too). ``threads(None)`` restores that default for the
+    block. Other Python threads, and dask tasks (which run in other threads), are not affected:
+    give ``gdn_ext.dask`` its ``num_threads``. Composes with ``threadpoolctl.threadpool_limits``
+    (which limits NumPy's BLAS and the OpenMP default) by taking precedence over it for gdn_ext.
+    Raises TypeError / ValueError for an n that is not None or a positive int."""
+    value = 0 if n is None else thread_count(n)
+    token = context_threads.set(value)
+    try:
+        yield
+    finally:
+        context_threads.reset(token)
 
 
 def openmp_enabled() -> bool:

@@ -1,0 +1,272 @@
+"""The gated delta rule on dask arrays: lazy, chunked over batch and heads, one NumPy call of
+gdn_ext per chunk (dask is an optional dependency: ``pip install "gdn_ext[dask]"``).
+
+    import dask.array as da, gdn_ext.dask as gd
+    q = da.from_zarr("q.zarr")                    # [B, T, H, Dk], chunks over B and H only
+    o, S_T = gd.gated_delta_rule(q, k, v, beta=beta, g=g, num_threads=2)
+    o.to_zarr("o.zarr")                           # computed chunk by chunk
+
+Every chunk is an independent set of (sequence, head) pairs, so the results equal one NumPy call
+bitwise, on any scheduler. Time and the head dimensions must each be one chunk (the recurrence
+runs along T); with grouped value heads (HV = G H) a chunk of value heads must hold whole groups
+(G value heads per query/key head). Output dtypes are chosen up front as NumPy's would be:
+float32 when every input casts safely to float32, float64 otherwise (a Python float ``scale``
+does not change it).
+
+Source of the math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2
+with Delta Rule", ICLR 2025 (arXiv:2412.06464), sec. 3.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+try:
+    import dask.array as da
+except ImportError as _exc:  # pragma: no cover - exercised without dask
+    raise ImportError('gdn_ext.dask needs dask: pip install "gdn_ext[dask]" (or "dask[array]")'
+                      ) from _exc
+
+from ._checks import compute_dtype, flag, real_scalar, thread_count
+from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG
+from .recurrence import gated_delta_rule as _np_forward
+from .recurrence import gated_delta_rule_backward as _np_backward
+
+__all__ = ["gated_delta_rule", "gated_delta_rule_backward"]
+
+
+def _array(x, name, ndim, layout):
+    """A dask array of ``ndim`` dimensions (NumPy arrays are wrapped, one chunk)."""
+    if x is None:
+        raise TypeError(f"{name} is required (got None)")
+    if not isinstance(x, da.Array):
+        x = da.from_array(np.asarray(x), chunks=-1)
+    if x.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must have a real dtype; got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have shape {layout}; got {list(x.shape)}")
+    return x
+
+
+def _one_chunk(x, name, axes, what):
+    for ax in axes:
+        if len(x.chunks[ax]) > 1:
+            raise ValueError(
+                f"{name} is chunked along axis {ax} ({what[ax]}): gdn_ext.dask chunks over batch "
+                f"and heads only; rechunk it, e.g. {name}.rechunk({{{ax}: -1}})")
+
+
+class _Inputs:
+    """The arguments checked and laid out for da.apply_gufunc: loop dimensions [B, H], the G
+    value heads of a group a core dimension (so a chunk always holds whole groups)."""
+
+    def __init__(self, q, k, v, beta, alpha, g, initial_state, extra=()):
+        if (alpha is None) == (g is None):
+            raise ValueError("give exactly one of alpha (decay in [0, 1]) and g (log decay); got "
+                             + ("both" if alpha is not None else "neither"))
+        self.gate_name = "alpha" if alpha is not None else "g"
+        q = _array(q, "q", 4, "[B, T, H, Dk]")
+        k = _array(k, "k", 4, "[B, T, H, Dk]")
+        v = _array(v, "v", 4, "[B, T, HV, Dv]")
+        B, T, H, Dk = q.shape
+        if k.shape != q.shape:
+            raise ValueError(f"k must have the shape of q {list(q.shape)}; got {list(k.shape)}")
+        if v.shape[:2] != (B, T) or H == 0 or v.shape[2] % H:
+            raise ValueError(f"v must have shape [B, T, HV, Dv] = [{B}, {T}, HV, Dv] with HV a "
+                             f"multiple of H = {H}; got {list(v.shape)}")
+        HV, Dv = v.shape[2], v.shape[3]
+        G = HV // H
+        gate = alpha if alpha is not None else g
+        gate = _array(gate, self.gate_name, 4 if np.ndim(gate) == 4 else 3,
+                      "[B, T, HV] or [B, T, HV, Dk]")
+        self.per_key = gate.ndim == 4
+        if gate.shape != ((B, T, HV, Dk) if self.per_key else (B, T, HV)):
+            raise ValueError(f"{self.gate_name} must have shape [B, T, HV] = {[B, T, HV]} or "
+                             f"[B, T, HV, Dk] = {[B, T, HV, Dk]}; got {list(gate.shape)}")
+        beta = _array(beta, "beta", 3, f"[B, T, HV] = {[B, T, HV]}")
+        if beta.shape != (B, T, HV):
+            raise ValueError(f"beta must have shape [B, T, HV] = {[B, T, HV]}; got "
+                             f"{list(beta.shape)}")
+        what = {1: "T", 3: "D"}
+        for x, name in ((q, "q"), (k, "k"), (v, "v")):
+            _one_chunk(x, name, (1, 3), what)
+        _one_chunk(beta, "beta", (1,), what)
+        _one_chunk(gate, self.gate_name, (1, 3) if self.per_key else (1,), what)
+        if initial_state is not None:
+            initial_state = _array(initial_state, "initial_state", 4, "[B, HV, Dv, Dk]")
+            if initial_state.shape != (B, HV, Dv, Dk):
+                raise ValueError(f"initial_state must have shape [B, HV, Dv, Dk] = "
+                                 f"{[B, HV, Dv, Dk]}; got {list(initial_state.shape)}")
+            _one_chunk(initial_state, "initial_state", (2, 3), {2: "Dv", 3: "Dk"})
+        # value-head chunks must be whole groups, aligned with the query/key heads' chunks
+        self.head_chunks = q.chunks[2]
+        want = tuple(c * G for c in self.head_chunks)
+        grouped = [(v, "v", 2), (beta, "beta", 2), (gate, self.gate_name, 2)]
+        if initial_state is not None:
+            grouped.append((initial_state, "initial_state", 1))
+        for x, name, ax in grouped:
+            if x.chunks[ax] != want:
+                raise ValueError(
+                    f"{name}'s chunks along its head axis {x.chunks[ax]} must be q's head chunks "
+                    f"{self.head_chunks} times G = {G} (whole groups of value heads: value head "
+                    f"hv reads query/key head hv // G); rechunk {name}")
+        if k.chunks != q.chunks:
+            raise ValueError(f"k must be chunked as q {q.chunks}; got {k.chunks}")
+        for x, name, _ in grouped:
+            if x.chunks[0] != q.chunks[0]:
+                raise ValueError(f"{name} must be chunked along B as q {q.chunks[0]}; got "
+                                 f"{x.chunks[0]}")
+        self.sizes = (B, T, H, G, HV, Dk, Dv)
+        arrays = [q, k, v, beta, gate] + ([initial_state] if initial_state is not None else [])
+        self.dtype = compute_dtype([np.empty(0, a.dtype) for a in arrays + list(extra)])
+        self.q, self.k = q, k
+        self.initial_state = initial_state
+        self.v, self.beta, self.gate = v, beta, gate
+
+    def grouped(self, x):
+        """[B, T, HV, ...] -> [B, H, G, T, ...] (lazy)."""
+        B, T, H, G = self.sizes[:4]
+        x = x.reshape((B, T, H, G) + x.shape[3:])
+        return x.transpose((0, 2, 3, 1) + tuple(range(4, x.ndim)))
+
+    def heads(self, x):
+        """[B, T, H, D] -> [B, H, T, D] (lazy)."""
+        return x.transpose(0, 2, 1, 3)
+
+    def state(self, x):
+        """[B, HV, Dv, Dk] -> [B, H, G, Dv, Dk] (lazy)."""
+        B, T, H, G = self.sizes[:4]
+        return x.reshape((B, H, G) + x.shape[2:])
+
+
+def _to_user(q, k, v, beta, gate, s0):
+    """Block arrays in the gufunc layout -> gdn_ext's [b, T, h, D] layout."""
+    b, h, G, T = v.shape[:4]
+    user = dict(q=q.transpose(0, 2, 1, 3), k=k.transpose(0, 2, 1, 3),
+                v=v.transpose(0, 3, 1, 2, 4).reshape(b, T, h * G, v.shape[-1]),
+                beta=beta.transpose(0, 3, 1, 2).reshape(b, T, h * G))
+    if gate.ndim == 5:
+        user["gate"] = gate.transpose(0, 3, 1, 2, 4).reshape(b, T, h * G, gate.shape[-1])
+    else:
+        user["gate"] = gate.transpose(0, 3, 1, 2).reshape(b, T, h * G)
+    user["s0"] = None if s0 is None else s0.reshape((b, h * G) + s0.shape[3:])
+    return user
+
+
+def _from_user_seq(x, h, G):
+    """[b, T, h * G, D] -> [b, h, G, T, D]."""
+    b, T = x.shape[:2]
+    return x.reshape((b, T, h, G) + x.shape[3:]).transpose((0, 2, 3, 1) + tuple(range(4, x.ndim + 1)))
+
+
+def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
+                     normalize_qk: bool = False, delta_rule: bool = True,
+                     num_threads: Optional[int] = 1):
+    """:func:`gdn_ext.gated_delta_rule` on dask arrays, lazily, one gdn_ext call per chunk.
+
+    q, k [B, T, H, Dk]; v [B, T, HV, Dv]; beta [B, T, HV]; alpha or g [B, T, HV] or
+    [B, T, HV, Dk]; initial_state [B, HV, Dv, Dk] or None (dask or NumPy arrays). Chunked along
+    B and the heads only (a chunked T, Dk or Dv raises ValueError naming the argument); value
+    heads in chunks of whole groups aligned with q's head chunks. ``num_threads``: kernel threads
+    per task (default 1: dask runs tasks in parallel already; None: OpenMP's default).
+
+    Returns lazy (o [B, T, HV, Dv], S_T [B, HV, Dv, Dk]) of the computation's dtype.
+    Raises ValueError / TypeError for bad shapes, chunks, dtypes, options.
+    Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, sec. 3.
+    """
+    x = _Inputs(q, k, v, beta, alpha, g, initial_state)
+    opts = dict(scale=real_scalar(scale, "scale"), normalize_qk=flag(normalize_qk, "normalize_qk"),
+                delta_rule=flag(delta_rule, "delta_rule"),
+                num_threads=thread_count(num_threads) or None)
+    gate_name, dt = x.gate_name, x.dtype
+    B, T, H, G, HV, Dk, Dv = x.sizes
+    tg = "(g,t,k)" if x.per_key else "(g,t)"
+    args = [x.heads(x.q), x.heads(x.k), x.grouped(x.v), x.grouped(x.beta), x.grouped(x.gate)]
+    sig = f"(t,k),(t,k),(g,t,v),(g,t),{tg}"
+    if x.initial_state is not None:
+        args.append(x.state(x.initial_state))
+        sig += ",(g,v,k)"
+
+    def block(q_, k_, v_, b_, a_, s0_=None):
+        u = _to_user(q_, k_, v_, b_, a_, s0_)
+        o, S = _np_forward(u["q"], u["k"], u["v"], beta=u["beta"], **{gate_name: u["gate"]},
+                           initial_state=u["s0"], check_values=False, **opts)
+        h = q_.shape[1]
+        return (_from_user_seq(o, h, G).astype(dt, copy=False),
+                S.reshape((S.shape[0], h, G) + S.shape[2:]).astype(dt, copy=False))
+
+    o, S = da.apply_gufunc(block, sig + "->(g,t,v),(g,v,k)", *args, output_dtypes=(dt, dt),
+                           allow_rechunk=False, vectorize=False)
+    o = o.transpose(0, 3, 1, 2, 4).reshape(B, T, HV, Dv)
+    return o, S.reshape(B, HV, Dv, Dk)
+
+
+def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
+                              dS_T=None, scale=1.0, normalize_qk: bool = False,
+                              delta_rule: bool = True, num_threads: Optional[int] = 1):
+    """:func:`gdn_ext.gated_delta_rule_backward` on dask arrays, lazily, chunk by chunk.
+
+    Arguments as :func:`gated_delta_rule`, plus do [B, T, HV, Dv] and dS_T [B, HV, Dv, Dk] (or
+    None), chunked like v and initial_state. Returns the gradients tuple of
+    :func:`gdn_ext.gated_delta_rule_backward` (``GatedDeltaRuleGrads`` for alpha,
+    ``GatedDeltaRuleGradsG`` for g) holding lazy dask arrays, d_initial_state always given.
+    """
+    do = _array(do, "do", 4, "[B, T, HV, Dv]")
+    dST = None if dS_T is None else _array(dS_T, "dS_T", 4, "[B, HV, Dv, Dk]")
+    x = _Inputs(q, k, v, beta, alpha, g, initial_state,
+                extra=[do] + ([dST] if dST is not None else []))
+    B, T, H, G, HV, Dk, Dv = x.sizes
+    if do.shape != x.v.shape or do.chunks != x.v.chunks:
+        raise ValueError(f"do must have v's shape {list(x.v.shape)} and chunks {x.v.chunks}; got "
+                         f"{list(do.shape)} and {do.chunks}")
+    if dST is not None and (dST.shape != (B, HV, Dv, Dk)
+                            or dST.chunks[:2] != (x.q.chunks[0], x.v.chunks[2])
+                            or len(dST.chunks[2]) > 1 or len(dST.chunks[3]) > 1):
+        raise ValueError(f"dS_T must have shape [B, HV, Dv, Dk] = {[B, HV, Dv, Dk]}, chunked as "
+                         f"v along B and HV, whole along Dv, Dk; got {list(dST.shape)}, "
+                         f"{dST.chunks}")
+    opts = dict(scale=real_scalar(scale, "scale"), normalize_qk=flag(normalize_qk, "normalize_qk"),
+                delta_rule=flag(delta_rule, "delta_rule"),
+                num_threads=thread_count(num_threads) or None)
+    gate_name, dt = x.gate_name, x.dtype
+    tg = "(g,t,k)" if x.per_key else "(g,t)"
+    has_s0, has_dst = x.initial_state is not None, dST is not None
+    args = [x.grouped(do), x.heads(x.q), x.heads(x.k), x.grouped(x.v), x.grouped(x.beta),
+            x.grouped(x.gate)]
+    sig = f"(g,t,v),(t,k),(t,k),(g,t,v),(g,t),{tg}"
+    if has_s0:
+        args.append(x.state(x.initial_state))
+        sig += ",(g,v,k)"
+    if has_dst:
+        args.append(x.state(dST))
+        sig += ",(g,v,k)"
+
+    def block(do_, q_, k_, v_, b_, a_, *states):
+        s0_ = states[0] if has_s0 else None
+        dst_ = states[-1] if has_dst else None
+        u = _to_user(q_, k_, v_, b_, a_, s0_)
+        h, b = q_.shape[1], q_.shape[0]
+        d_o = do_.transpose(0, 3, 1, 2, 4).reshape(b, T, h * G, Dv)
+        dS = None if dst_ is None else dst_.reshape((b, h * G) + dst_.shape[3:])
+        gr = _np_backward(d_o, u["q"], u["k"], u["v"], beta=u["beta"], **{gate_name: u["gate"]},
+                          initial_state=u["s0"], dS_T=dS, check_values=False, **opts)
+        dq, dk, dv, dbeta, dgate, ds0 = gr
+        heads = lambda a: a.transpose(0, 2, 1, 3).astype(dt, copy=False)  # noqa: E731
+        return (heads(dq), heads(dk), _from_user_seq(dv, h, G).astype(dt, copy=False),
+                _from_user_seq(dbeta[..., None], h, G)[..., 0].astype(dt, copy=False),
+                (_from_user_seq(dgate, h, G) if dgate.ndim == 4
+                 else _from_user_seq(dgate[..., None], h, G)[..., 0]).astype(dt, copy=False),
+                ds0.reshape((b, h, G) + ds0.shape[2:]).astype(dt, copy=False))
+
+    outs = da.apply_gufunc(block, sig + f"->(t,k),(t,k),(g,t,v),(g,t),{tg},(g,v,k)", *args,
+                           output_dtypes=(dt,) * 6, allow_rechunk=False, vectorize=False)
+    dq, dk, dv, dbeta, dgate, ds0 = outs
+    dq, dk = dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3)
+    dv = dv.transpose(0, 3, 1, 2, 4).reshape(B, T, HV, Dv)
+    dbeta = dbeta.transpose(0, 3, 1, 2).reshape(B, T, HV)
+    dgate = (dgate.transpose(0, 3, 1, 2, 4).reshape(B, T, HV, Dk) if x.per_key
+             else dgate.transpose(0, 3, 1, 2).reshape(B, T, HV))
+    ds0 = ds0.reshape(B, HV, Dv, Dk)
+    cls = GatedDeltaRuleGradsG if gate_name == "g" else GatedDeltaRuleGrads
+    return cls(dq, dk, dv, dbeta, dgate, ds0)
