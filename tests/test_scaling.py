@@ -227,3 +227,15 @@ def test_ondisk_example_runs():
                                  "--heads", "2", "--head-dim", "8", "--chunk", "5"], timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "largest difference 0.0e+00" in out.stdout
+
+
+def test_readme_dask_recipe_runs_as_written(tmp_path, monkeypatch):
+    pytest.importorskip("zarr")
+    import pathlib
+    import textwrap
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("  ```python\n  import dask.array as da, gdn_ext.dask as gd")
+    code = readme[start:].split("\n", 1)[1].split("  ```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(textwrap.dedent(code), "README.md", "exec"), {})
+    assert (tmp_path / "o.zarr").exists()
