@@ -272,7 +272,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
         cu_seqlens = cu_seqlens.to(torch.int64)
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a real number; got {type(scale).__name__}")
-    threads = thread_count(num_threads)
+    # None: resolved when the kernel runs (gdn_ext.threads(n) of that thread, else OpenMP's)
+    threads = 0 if num_threads is None else thread_count(num_threads)
     normalize_qk = flag(normalize_qk, "normalize_qk")
     output_final_state = flag(output_final_state, "output_final_state")
     delta_rule = flag(delta_rule, "delta_rule")
