@@ -14,6 +14,7 @@ import sys
 import numpy as np
 
 from ..layer import GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward
+from ._cli import non_negative_int
 
 __all__ = ["torch_gated_deltanet_forward", "layer_gradients", "finite_difference_gradients",
            "torch_gradients", "run", "main"]
@@ -135,19 +136,12 @@ def run(seed=0, use_torch=None, out=None):
     return ok
 
 
-def _seed(text):
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer; got {n}")
-    return n
-
-
 def main(argv=None):
     """Command line of ``python -m gdn_ext check``; returns 0 when every gradient is within
     tolerance, 1 otherwise."""
     ap = argparse.ArgumentParser(prog="python -m gdn_ext check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seed", type=_seed, default=0)
+    ap.add_argument("--seed", type=non_negative_int, default=0)
     ap.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     a = ap.parse_args(argv)
     return 0 if run(seed=a.seed, use_torch=False if a.no_torch else None) else 1

@@ -9,31 +9,18 @@ import numpy as np
 
 import gdn_ext
 from gdn_ext import reference
-
-
-def _positive(text):
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {n}")
-    return n
-
-
-def _seed(text):
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer; got {n}")
-    return n
+from ._cli import non_negative_int, positive_int
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m gdn_ext demo", description=__doc__)
-    ap.add_argument("--batch", type=_positive, default=2, help="B, sequences (default 2)")
-    ap.add_argument("--seq-len", type=_positive, default=2048, help="T, tokens (default 2048)")
-    ap.add_argument("--heads", type=_positive, default=4, help="H (default 4)")
-    ap.add_argument("--head-dim", type=_positive, default=64, help="Dk = Dv (default 64)")
+    ap.add_argument("--batch", type=positive_int, default=2, help="B, sequences (default 2)")
+    ap.add_argument("--seq-len", type=positive_int, default=2048, help="T, tokens (default 2048)")
+    ap.add_argument("--heads", type=positive_int, default=4, help="H (default 4)")
+    ap.add_argument("--head-dim", type=positive_int, default=64, help="Dk = Dv (default 64)")
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    ap.add_argument("--threads", type=_positive, default=None, help="OpenMP threads (default: OpenMP's)")
-    ap.add_argument("--seed", type=_seed, default=0)
+    ap.add_argument("--threads", type=positive_int, default=None, help="OpenMP threads (default: OpenMP's)")
+    ap.add_argument("--seed", type=non_negative_int, default=0)
     a = ap.parse_args(argv)
 
     rng = np.random.default_rng(a.seed)

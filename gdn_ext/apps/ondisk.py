@@ -13,12 +13,7 @@ import time
 
 import numpy as np
 
-
-def _positive(text):
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {n}")
-    return n
+from ._cli import positive_int
 
 
 def run(store, B, T, H, D, chunk, threads, workers, dtype="float32"):
@@ -74,14 +69,14 @@ def main(argv=None):
     """Command line; returns 0 when the checked chunk equals the NumPy call."""
     ap = argparse.ArgumentParser(prog="python -m gdn_ext ondisk", description=__doc__)
     ap.add_argument("--store", default=None, help="zarr directory (default: a temporary one)")
-    ap.add_argument("--batch", type=_positive, default=64, help="B, sequences (default 64)")
-    ap.add_argument("--seq-len", type=_positive, default=512, help="T (default 512)")
-    ap.add_argument("--heads", type=_positive, default=4, help="H (default 4)")
-    ap.add_argument("--head-dim", type=_positive, default=64, help="Dk = Dv (default 64)")
-    ap.add_argument("--chunk", type=_positive, default=8, help="sequences per chunk (default 8)")
-    ap.add_argument("--threads", type=_positive, default=1,
+    ap.add_argument("--batch", type=positive_int, default=64, help="B, sequences (default 64)")
+    ap.add_argument("--seq-len", type=positive_int, default=512, help="T (default 512)")
+    ap.add_argument("--heads", type=positive_int, default=4, help="H (default 4)")
+    ap.add_argument("--head-dim", type=positive_int, default=64, help="Dk = Dv (default 64)")
+    ap.add_argument("--chunk", type=positive_int, default=8, help="sequences per chunk (default 8)")
+    ap.add_argument("--threads", type=positive_int, default=1,
                     help="kernel threads per task (default 1)")
-    ap.add_argument("--workers", type=_positive, default=os.cpu_count() or 1,
+    ap.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                     help="dask threads (default: the CPUs)")
     a = ap.parse_args(argv)
     try:

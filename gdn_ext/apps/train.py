@@ -14,6 +14,7 @@ import numpy as np
 
 from ..layer import RULES
 from .lm import Adam, CharLM, CharVocab, load_text, unigram_baseline
+from ._cli import positive_float, positive_int
 
 __all__ = ["train", "main"]
 
@@ -124,20 +125,6 @@ def plot(histories, baseline, path):
     plt.close(fig)
 
 
-def _positive_float(s):
-    x = float(s)
-    if not (x > 0 and np.isfinite(x)):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {s}")
-    return x
-
-
-def _positive(s):
-    n = int(s)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
-    return n
-
-
 def main(argv=None):
     """Command line of the main job (see the module docstring); returns the exit status:
     0 when the model ends below the unigram baseline, 1 otherwise."""
@@ -145,19 +132,19 @@ def main(argv=None):
         prog="python -m gdn_ext [train]", description=__doc__,
         epilog="Other commands: 'python -m gdn_ext check' (gradient check of the layer), "
                "'python -m gdn_ext demo' (forward/backward timing on random inputs).")
-    ap.add_argument("--steps", type=_positive, default=800, help="training steps (default 800)")
-    ap.add_argument("--d-model", type=_positive, default=128, help="model width D (default 128)")
-    ap.add_argument("--layers", type=_positive, default=3, help="Gated DeltaNet layers (default 3)")
-    ap.add_argument("--heads", type=_positive, default=4, help="heads per layer (default 4)")
-    ap.add_argument("--head-dim", type=_positive, default=32, help="Dk = Dv per head (default 32)")
-    ap.add_argument("--batch", type=_positive, default=16, help="sequences per step (default 16)")
-    ap.add_argument("--seq-len", type=_positive, default=128,
+    ap.add_argument("--steps", type=positive_int, default=800, help="training steps (default 800)")
+    ap.add_argument("--d-model", type=positive_int, default=128, help="model width D (default 128)")
+    ap.add_argument("--layers", type=positive_int, default=3, help="Gated DeltaNet layers (default 3)")
+    ap.add_argument("--heads", type=positive_int, default=4, help="heads per layer (default 4)")
+    ap.add_argument("--head-dim", type=positive_int, default=32, help="Dk = Dv per head (default 32)")
+    ap.add_argument("--batch", type=positive_int, default=16, help="sequences per step (default 16)")
+    ap.add_argument("--seq-len", type=positive_int, default=128,
                     help="characters per sequence (default 128)")
-    ap.add_argument("--lr", type=_positive_float, default=3e-3,
+    ap.add_argument("--lr", type=positive_float, default=3e-3,
                     help="peak Adam learning rate (default 3e-3)")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the weights, the batches and the sample (default 0)")
-    ap.add_argument("--threads", type=_positive, default=None,
+    ap.add_argument("--threads", type=positive_int, default=None,
                     help="OpenMP threads of the recurrence (default: OpenMP's)")
     ap.add_argument("--text", metavar="FILE", default=None,
                     help="train on this UTF-8 text file instead of the bundled Python docs")
