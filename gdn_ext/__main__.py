@@ -13,6 +13,7 @@ COMMANDS = {
     "bench": ("bench", "gdn_ext's speed next to its peers (GFLOP/s, x peak)"),
     "bench-qwen3-next": ("bench_qwen3_next", "a small Qwen3-Next model with and without gdn_ext"),
     "ondisk": ("ondisk", "a batch larger than memory from zarr through gdn_ext.dask"),
+    "conformance": ("gdn_ext.conformance", "check a gated delta rule kernel against gdn_ext"),
 }
 USAGE = f"usage: python -m gdn_ext [{{{','.join(COMMANDS)}}}] [options]"
 
@@ -40,7 +41,8 @@ def main(argv=None):
         print(f"{USAGE}\npython -m gdn_ext: error: unknown command '{argv[0]}'{hint}; choose from "
               f"{', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module("gdn_ext.apps." + COMMANDS[name][0])
+    target = COMMANDS[name][0]
+    module = importlib.import_module(target if "." in target else "gdn_ext.apps." + target)
     return module.main(rest)
 
 

@@ -1,0 +1,373 @@
+"""A conformance suite for any gated delta rule implementation, checked against gdn_ext in float64.
+
+    python -m gdn_ext conformance MODULE:FUNCTION [--convention fla|transformers|gdn_ext]
+                                                  [--dtype float32] [--device cpu] [--json FILE]
+
+or, from a test, ``report = gdn_ext.conformance.run(fn, convention="fla")`` and
+``assert report.passed``. The target takes flash-linear-attention's ``chunk_gated_delta_rule`` /
+``fused_recurrent_gated_delta_rule`` signature (``fla``), transformers' fallbacks' (``transformers``:
+no scale, no packing), or gdn_ext.torch's (``gdn_ext``). Each case builds inputs in float64, rounds
+them to the target's dtype, runs the target on its device (and its backward, when it has one) and
+the reference (gdn_ext's C kernels, float64, CPU) on the same rounded values, and compares the
+output, the final state and every gradient: the largest absolute error and the largest error
+relative to the reference's largest value, against a tolerance set by the target's dtype.
+
+The cases cover bug kinds seen in public reports on such kernels: lengths around chunk sizes,
+strong and zero decays, beta at 0, 1 and in (1, 2), initial states honoured and final states in
+the right layout, a split sequence (prefill, then decode) equal to one call, packed sequences
+with lengths 0 and 1, grouped value heads, per-key decays, q/k L2 normalisation (the epsilon
+inside the root), all-zero and tiny rows, head dimensions that are not multiples of 16, a long
+sequence, half-precision inputs, and repeatable gradients. A case that needs a feature the target
+lacks (judged from its signature: ``cu_seqlens``, ``gk``, ``allow_neg_eigval``; half-precision
+inputs except for the gdn_ext convention) is skipped, and the report says so.
+
+Math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
+Rule", ICLR 2025 (arXiv:2412.06464), section 3.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import json
+import math
+import sys
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from . import gated_delta_rule, gated_delta_rule_backward
+
+__all__ = ["run", "Report", "CASES", "TOLERANCES", "main"]
+
+# largest error relative to the reference's largest value, by the dtype the target computes in
+TOLERANCES = {"float64": 1e-9, "float32": 2e-4, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+@dataclasses.dataclass
+class Case:
+    """One conformance case: inputs in gdn_ext's layout (float64), made by make(rng)."""
+    name: str
+    what: str
+    make: Callable
+    needs: frozenset = frozenset()
+    split: Optional[int] = None       # prefill up to this step, then the rest from its state
+    dtype: Optional[str] = None       # inputs in this dtype whatever --dtype says
+    repeat: bool = False              # the gradients of two runs must be equal bitwise
+
+
+def _inputs(rng, B=2, T=20, H=2, G=1, K=16, V=16, g_lo=-1.0, g_hi=-0.01, per_key=False,
+            beta=(0.05, 0.95), state=True, normalize=True, cu=None):
+    HV = H * G
+    N = B if cu is None else len(cu) - 1
+    x = dict(q=rng.standard_normal((B, T, H, K)), k=rng.standard_normal((B, T, H, K)),
+             v=rng.standard_normal((B, T, HV, V)),
+             beta=rng.uniform(*beta, (B, T, HV)),
+             g=rng.uniform(g_lo, g_hi, (B, T, HV)))
+    if not normalize:
+        x["k"] /= np.linalg.norm(x["k"], axis=-1, keepdims=True)
+    if per_key:
+        x["gk"] = rng.uniform(g_lo, g_hi, (B, T, HV, K))
+    x["initial_state"] = rng.standard_normal((N, HV, V, K)) if state else None
+    x["normalize"] = normalize
+    x["cu_seqlens"] = None if cu is None else np.asarray(cu, np.int64)
+    return x
+
+
+def _strong_decays(rng):
+    x = _inputs(rng, T=65)
+    x["g"][:, 10:20] = -70.0            # alpha = e^-70: the state is wiped
+    x["g"][:, 30:40] = 0.0              # no decay at all
+    return x
+
+
+def _zero_rows(rng):
+    x = _inputs(rng, T=24)
+    for n in ("q", "k", "v"):
+        x[n][:, 5:9] = 0.0              # padding tokens
+    x["k"][:, 12:14] *= 1e-4            # tiny keys: the epsilon inside the root matters
+    x["q"][:, 12:14] *= 1e-4
+    return x
+
+
+CASES: List[Case] = [
+    Case("T=1", "a single step (decoding)", lambda r: _inputs(r, T=1)),
+    Case("T=63", "one step short of a chunk of 64", lambda r: _inputs(r, T=63)),
+    Case("T=64", "exactly one chunk of 64", lambda r: _inputs(r, T=64)),
+    Case("T=65", "one step into a second chunk", lambda r: _inputs(r, T=65)),
+    Case("T=127", "one short of two chunks", lambda r: _inputs(r, T=127, B=1)),
+    Case("T=129", "one into a third chunk", lambda r: _inputs(r, T=129, B=1)),
+    Case("strong decay", "g down to -70 and g = 0 on some steps, T = 65", _strong_decays),
+    Case("g=0", "no decay at all (DeltaNet)", lambda r: _inputs(r, g_lo=0.0, g_hi=0.0)),
+    Case("beta 0 and 1", "beta exactly 0 and 1",
+         lambda r: {**_inputs(r), "beta": r.integers(0, 2, (2, 20, 2)).astype(float)}),
+    Case("beta in (1,2)", "beta above 1 (negative eigenvalues)",
+         lambda r: _inputs(r, beta=(1.05, 1.95)), needs=frozenset({"neg_eigval"})),
+    Case("no initial state", "zeros as S_0", lambda r: _inputs(r, state=False)),
+    Case("initial state", "S_0 honoured, S_T in the target's layout", lambda r: _inputs(r, T=9)),
+    Case("prefill+decode", "a split call, the state carried, equals one call",
+         lambda r: _inputs(r, T=30), split=27),
+    Case("packed", "packed sequences of lengths 0, 1, 4, 0, 7 (cu_seqlens)",
+         lambda r: _inputs(r, B=1, T=12, cu=[0, 0, 1, 5, 5, 12]), needs=frozenset({"varlen"})),
+    Case("grouped heads", "HV = 4 value heads over H = 2 query/key heads",
+         lambda r: _inputs(r, H=2, G=2, T=17)),
+    Case("per-key decay", "a per-key-channel log decay gk",
+         lambda r: _inputs(r, per_key=True, T=17), needs=frozenset({"gk"})),
+    Case("no L2 norm", "q, k as given (unit keys)", lambda r: _inputs(r, normalize=False)),
+    Case("zero rows", "all-zero and tiny q, k, v rows (padding; epsilon inside the root)",
+         _zero_rows),
+    Case("K=17, V=13", "head dimensions that are not multiples of 16",
+         lambda r: _inputs(r, K=17, V=13)),
+    Case("long", "T = 2048 (drift)", lambda r: _inputs(r, B=1, H=1, T=2048, K=16, V=16,
+                                                           g_lo=-0.05, g_hi=-0.001)),
+    Case("bfloat16", "bfloat16 inputs", lambda r: _inputs(r, T=33), dtype="bfloat16",
+         needs=frozenset({"half"})),
+    Case("float16", "float16 inputs", lambda r: _inputs(r, T=33), dtype="float16",
+         needs=frozenset({"half"})),
+    Case("repeatable", "two runs give bitwise equal gradients", lambda r: _inputs(r, T=40),
+         repeat=True),
+]
+
+
+def _features(fn, convention):
+    """The optional features of the target, from its signature and convention."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    feats = set()
+    if convention != "transformers" and "cu_seqlens" in params:
+        feats.add("varlen")
+    if "gk" in params or convention == "gdn_ext":
+        feats.add("gk")
+    if "allow_neg_eigval" in params or convention == "gdn_ext":
+        feats.add("neg_eigval")
+    if convention != "gdn_ext":          # gdn_ext's own API takes float32 / float64 only
+        feats.add("half")
+    return feats
+
+
+def _reference(x, t, do, dS, scale):
+    """gdn_ext in float64 on the inputs x (already rounded to the target's dtype)."""
+    g = x["g"] if "gk" not in x else x["g"][..., None] + x["gk"]
+    kw = dict(beta=x["beta"], g=g, initial_state=x["initial_state"], scale=scale,
+              normalize_qk=x["normalize"], cu_seqlens=x["cu_seqlens"], check_values=False)
+    o, S = gated_delta_rule(x["q"], x["k"], x["v"], **kw)
+    grads = gated_delta_rule_backward(do, x["q"], x["k"], x["v"], dS_T=dS, **kw)
+    out = dict(o=o, final_state=S, q=grads.dq, k=grads.dk, v=grads.dv, beta=grads.dbeta,
+               initial_state=grads.d_initial_state)
+    if "gk" in x:
+        out["gk"] = grads.dg
+        out["g"] = grads.dg.sum(-1)
+    else:
+        out["g"] = grads.dg
+    return out
+
+
+def _call_target(fn, convention, t, torch, scale, initial_state):
+    """Run the target on torch tensors t (its dtype and device) -> (o, S_T in gdn_ext's
+    [N, HV, V, K] layout)."""
+    if convention == "gdn_ext":
+        g = t["g"] if "gk" not in t else t["g"][..., None] + t["gk"]
+        return fn(t["q"], t["k"], t["v"], beta=t["beta"], g=g, initial_state=initial_state,
+                  scale=scale, normalize_qk=t["normalize"], cu_seqlens=t["cu_seqlens"])
+    s0 = None if initial_state is None else initial_state.transpose(-1, -2)
+    kw = dict(g=t["g"], beta=t["beta"], initial_state=s0, output_final_state=True,
+              use_qk_l2norm_in_kernel=t["normalize"])
+    if convention == "fla":
+        kw["scale"] = scale
+        if t["cu_seqlens"] is not None:
+            kw["cu_seqlens"] = t["cu_seqlens"]
+    if "gk" in t:
+        kw["gk"] = t["gk"]
+    o, S = fn(t["q"], t["k"], t["v"], **kw)
+    return o, (None if S is None else S.transpose(-1, -2))
+
+
+def _to_torch(x, dtype, device, torch):
+    t = {}
+    for n, a in x.items():
+        if isinstance(a, np.ndarray) and n != "cu_seqlens":
+            t[n] = torch.tensor(a, dtype=getattr(torch, dtype), device=device,
+                                requires_grad=True)
+        elif n == "cu_seqlens" and a is not None:
+            t[n] = torch.tensor(a, dtype=torch.long, device=device)
+        else:
+            t[n] = a
+    return t
+
+
+def _run_case(case, fn, convention, dtype, device, torch, rng):
+    """{quantity: (max abs error, max relative error)} and notes for one case."""
+    x = case.make(rng)
+    dt = case.dtype or dtype
+    K = x["q"].shape[-1]
+    scale = K ** -0.5
+    t = _to_torch(x, dt, device, torch)
+    # the reference sees exactly the rounded values the target sees
+    xr = {n: (t[n].detach().double().cpu().numpy() if isinstance(x[n], np.ndarray)
+              and n != "cu_seqlens" else x[n]) for n in x}
+
+    def target_run():
+        if case.split is None:
+            return _call_target(fn, convention, t, torch, scale, t["initial_state"])
+        a, seq = case.split, ("q", "k", "v", "beta", "g", "gk")   # the [B, T, ...] inputs
+        first = {n: (v[:, :a] if n in seq else v) for n, v in t.items()}
+        second = {n: (v[:, a:] if n in seq else v) for n, v in t.items()}
+        o1, S1 = _call_target(fn, convention, first, torch, scale, t["initial_state"])
+        o2, S2 = _call_target(fn, convention, second, torch, scale, S1)
+        return torch.cat([o1, o2], 1), S2
+
+    o, S = target_run()
+    gen = np.random.default_rng(1)
+    do = gen.standard_normal(tuple(o.shape))
+    dS = gen.standard_normal(tuple(S.shape))
+    ref = _reference(xr, t, do, dS, scale)
+    got = {"o": o, "final_state": S}
+    notes = []
+    if o.requires_grad:
+        loss = (o.double() * torch.tensor(do, device=o.device)).sum() + \
+            (S.double() * torch.tensor(dS, device=S.device)).sum()
+        leaves = [n for n in ("q", "k", "v", "beta", "g", "gk", "initial_state")
+                  if isinstance(t.get(n), torch.Tensor)]
+        grads = torch.autograd.grad(loss, [t[n] for n in leaves], allow_unused=True)
+        for n, gr in zip(leaves, grads):
+            got[n] = gr
+        if case.repeat:
+            o2, S2 = target_run()
+            loss2 = (o2.double() * torch.tensor(do, device=o.device)).sum() + \
+                (S2.double() * torch.tensor(dS, device=S.device)).sum()
+            grads2 = torch.autograd.grad(loss2, [t[n] for n in leaves], allow_unused=True)
+            same = all((a is None and b is None) or bool(torch.equal(a, b))
+                       for a, b in zip(grads, grads2))
+            notes.append("gradients repeat bitwise" if same else "gradients differ between runs")
+            if not same:
+                got["repeat"] = None
+    else:
+        notes.append("no gradients (the target's outputs do not require grad)")
+    errors = {}
+    for n, a in got.items():
+        if n == "repeat":
+            errors[n] = (math.inf, math.inf)
+            continue
+        b = ref["o" if n == "o" else n]
+        if a is None:
+            errors[n] = (math.inf, math.inf) if np.abs(b).max(initial=0) > 0 else (0.0, 0.0)
+            continue
+        a = a.detach().double().cpu().numpy()
+        if a.shape != b.shape:
+            raise ValueError(f"{n}: shape {list(a.shape)}, expected {list(b.shape)}")
+        err = float(np.abs(a - b).max(initial=0)) if np.all(np.isfinite(a)) else math.inf
+        scale_b = float(np.abs(b).max(initial=0))
+        errors[n] = (err, err / scale_b if scale_b > 0 else (0.0 if err == 0 else math.inf))
+    return errors, notes, dt
+
+
+@dataclasses.dataclass
+class Report:
+    """The results: one row per case (status "pass", "FAIL", "error" or "skip")."""
+    target: str
+    convention: str
+    dtype: str
+    rows: List[Dict]
+
+    @property
+    def passed(self) -> bool:
+        return all(r["status"] in ("pass", "skip") for r in self.rows)
+
+    def table(self) -> str:
+        lines = [f"conformance of {self.target} ({self.convention} convention, {self.dtype}) "
+                 f"against gdn_ext in float64",
+                 f"{'case':<18}{'status':<7}{'tol':>8}  {'worst quantity':<16}{'abs err':>10}"
+                 f"{'rel err':>10}  notes"]
+        for r in self.rows:
+            if r["status"] in ("skip", "error"):
+                lines.append(f"{r['case']:<18}{r['status']:<7}{'':>8}  {'':<16}{'':>10}{'':>10}"
+                             f"  {r['note']}")
+                continue
+            name, (ab, rel) = max(r["errors"].items(), key=lambda kv: kv[1][1])
+            lines.append(f"{r['case']:<18}{r['status']:<7}{r['tol']:>8.0e}  {name:<16}"
+                         f"{ab:>10.1e}{rel:>10.1e}  {r['note']}")
+        n_fail = sum(r["status"] in ("FAIL", "error") for r in self.rows)
+        n_skip = sum(r["status"] == "skip" for r in self.rows)
+        lines.append(f"{len(self.rows) - n_fail - n_skip} passed, {n_fail} failed, {n_skip} "
+                     f"skipped")
+        return "\n".join(lines)
+
+
+def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progress=False,
+        name=None) -> Report:
+    """Run the suite on ``fn``; returns a :class:`Report` (``report.passed``,
+    ``report.table()``, ``report.rows``). Needs torch. Raises ValueError for an unknown
+    convention or dtype."""
+    import torch
+    if convention not in ("fla", "transformers", "gdn_ext"):
+        raise ValueError(f"convention must be fla, transformers or gdn_ext; got {convention!r}")
+    if dtype not in TOLERANCES:
+        raise ValueError(f"dtype must be one of {sorted(TOLERANCES)}; got {dtype!r}")
+    feats = _features(fn, convention)
+    cases = CASES if cases is None else cases
+    it = cases
+    if progress:
+        try:
+            from tqdm import tqdm
+            it = tqdm(cases, unit="case", file=sys.stderr)
+        except ImportError:
+            pass
+    rows = []
+    for i, case in enumerate(it):
+        row = {"case": case.name, "what": case.what}
+        missing = case.needs - feats
+        if missing:
+            row.update(status="skip", note=f"target lacks {', '.join(sorted(missing))}")
+            rows.append(row)
+            continue
+        try:
+            errors, notes, dt = _run_case(case, fn, convention, dtype, device, torch,
+                                          np.random.default_rng(100 + i))
+        except Exception as exc:   # a crash of the target is a finding, reported per case
+            row.update(status="error", note=f"{type(exc).__name__}: {exc}"[:120])
+            rows.append(row)
+            continue
+        tol = TOLERANCES[dt]
+        ok = all(rel <= tol for _, rel in errors.values())
+        row.update(status="pass" if ok else "FAIL", tol=tol, errors=errors,
+                   note="; ".join(notes))
+        rows.append(row)
+    return Report(name or getattr(fn, "__qualname__", repr(fn)), convention, dtype, rows)
+
+
+def _load(spec):
+    if ":" not in spec:
+        raise ValueError(f"target must be MODULE:FUNCTION; got {spec!r}")
+    mod, _, attr = spec.partition(":")
+    obj = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main(argv=None):
+    """Command line; returns 1 when a case fails, 0 otherwise."""
+    ap = argparse.ArgumentParser(prog="python -m gdn_ext conformance", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", help="MODULE:FUNCTION, e.g. gdn_ext.torch:chunk_gated_delta_rule")
+    ap.add_argument("--convention", choices=["fla", "transformers", "gdn_ext"], default="fla")
+    ap.add_argument("--dtype", choices=sorted(TOLERANCES), default="float32",
+                    help="the dtype of the target's inputs (default float32)")
+    ap.add_argument("--device", default="cpu", help="the target's device (default cpu)")
+    ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        fn = _load(a.target)
+    except (ValueError, ImportError, AttributeError) as exc:
+        ap.error(f"cannot load {a.target}: {exc}")
+    report = run(fn, a.convention, a.dtype, a.device, progress=not a.no_progress,
+                 name=a.target)
+    print(report.table())
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dataclasses.asdict(report), f, indent=1, default=float)
+    return 0 if report.passed else 1
