@@ -231,10 +231,18 @@ def _run_case(case, fn, convention, dtype, device, torch, rng):
             (S.double() * torch.tensor(dS, device=S.device)).sum()
         leaves = [n for n in ("q", "k", "v", "beta", "g", "gk", "initial_state")
                   if isinstance(t.get(n), torch.Tensor)]
-        grads = torch.autograd.grad(loss, [t[n] for n in leaves], allow_unused=True)
-        for n, gr in zip(leaves, grads):
+        try:
+            grads = torch.autograd.grad(loss, [t[n] for n in leaves], allow_unused=True)
+        except NotImplementedError as exc:     # a forward-only kernel: compare the forward
+            grads = None
+            notes.append(f"no backward ({str(exc)[:40]}...)")
+        except Exception as exc:               # the forward is still compared and reported
+            grads = None
+            got["backward"] = None
+            notes.append(f"backward raised {type(exc).__name__}: {str(exc)[:70]}")
+        for n, gr in zip(leaves, grads or ()):
             got[n] = gr
-        if case.repeat:
+        if case.repeat and grads is not None:
             o2, S2 = target_run()
             loss2 = (o2.double() * torch.tensor(do, device=o.device)).sum() + \
                 (S2.double() * torch.tensor(dS, device=S.device)).sum()
@@ -248,7 +256,7 @@ def _run_case(case, fn, convention, dtype, device, torch, rng):
         notes.append("no gradients (the target's outputs do not require grad)")
     errors = {}
     for n, a in got.items():
-        if n == "repeat":
+        if n in ("repeat", "backward"):
             errors[n] = (math.inf, math.inf)
             continue
         b = ref["o" if n == "o" else n]
@@ -276,19 +284,23 @@ class Report:
     def passed(self) -> bool:
         return all(r["status"] in ("pass", "skip") for r in self.rows)
 
+    def header(self) -> str:
+        return (f"conformance of {self.target} ({self.convention} convention, {self.dtype}) "
+                f"against gdn_ext in float64\n"
+                f"{'case':<18}{'status':<7}{'tol':>8}  {'worst quantity':<16}{'abs err':>10}"
+                f"{'rel err':>10}  notes")
+
+    @staticmethod
+    def line(r) -> str:
+        """One row: the quantity with the largest relative error, and the notes."""
+        if r["status"] in ("skip", "error"):
+            return f"{r['case']:<18}{r['status']:<7}{'':>8}  {'':<16}{'':>10}{'':>10}  {r['note']}"
+        name, (ab, rel) = max(r["errors"].items(), key=lambda kv: kv[1][1])
+        return (f"{r['case']:<18}{r['status']:<7}{r['tol']:>8.0e}  {name:<16}{ab:>10.1e}"
+                f"{rel:>10.1e}  {r['note']}")
+
     def table(self) -> str:
-        lines = [f"conformance of {self.target} ({self.convention} convention, {self.dtype}) "
-                 f"against gdn_ext in float64",
-                 f"{'case':<18}{'status':<7}{'tol':>8}  {'worst quantity':<16}{'abs err':>10}"
-                 f"{'rel err':>10}  notes"]
-        for r in self.rows:
-            if r["status"] in ("skip", "error"):
-                lines.append(f"{r['case']:<18}{r['status']:<7}{'':>8}  {'':<16}{'':>10}{'':>10}"
-                             f"  {r['note']}")
-                continue
-            name, (ab, rel) = max(r["errors"].items(), key=lambda kv: kv[1][1])
-            lines.append(f"{r['case']:<18}{r['status']:<7}{r['tol']:>8.0e}  {name:<16}"
-                         f"{ab:>10.1e}{rel:>10.1e}  {r['note']}")
+        lines = [self.header()] + [self.line(r) for r in self.rows]
         n_fail = sum(r["status"] in ("FAIL", "error") for r in self.rows)
         n_skip = sum(r["status"] == "skip" for r in self.rows)
         lines.append(f"{len(self.rows) - n_fail - n_skip} passed, {n_fail} failed, {n_skip} "
@@ -297,10 +309,10 @@ class Report:
 
 
 def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progress=False,
-        name=None) -> Report:
+        name=None, on_row=None) -> Report:
     """Run the suite on ``fn``; returns a :class:`Report` (``report.passed``,
-    ``report.table()``, ``report.rows``). Needs torch. Raises ValueError for an unknown
-    convention or dtype."""
+    ``report.table()``, ``report.rows``); ``on_row(row)`` is called as each case ends. Needs
+    torch. Raises ValueError for an unknown convention or dtype."""
     import torch
     if convention not in ("fla", "transformers", "gdn_ext"):
         raise ValueError(f"convention must be fla, transformers or gdn_ext; got {convention!r}")
@@ -322,6 +334,8 @@ def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progres
         if missing:
             row.update(status="skip", note=f"target lacks {', '.join(sorted(missing))}")
             rows.append(row)
+            if on_row:
+                on_row(row)
             continue
         try:
             errors, notes, dt = _run_case(case, fn, convention, dtype, device, torch,
@@ -329,12 +343,16 @@ def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progres
         except Exception as exc:   # a crash of the target is a finding, reported per case
             row.update(status="error", note=f"{type(exc).__name__}: {exc}"[:120])
             rows.append(row)
+            if on_row:
+                on_row(row)
             continue
         tol = TOLERANCES[dt]
         ok = all(rel <= tol for _, rel in errors.values())
         row.update(status="pass" if ok else "FAIL", tol=tol, errors=errors,
                    note="; ".join(notes))
         rows.append(row)
+        if on_row:
+            on_row(row)
     return Report(name or getattr(fn, "__qualname__", repr(fn)), convention, dtype, rows)
 
 
@@ -364,9 +382,15 @@ def main(argv=None):
         fn = _load(a.target)
     except (ValueError, ImportError, AttributeError) as exc:
         ap.error(f"cannot load {a.target}: {exc}")
-    report = run(fn, a.convention, a.dtype, a.device, progress=not a.no_progress,
-                 name=a.target)
-    print(report.table())
+    shell = Report(a.target, a.convention, a.dtype, [])
+    if a.no_progress:          # rows as they come (a slow target still shows what it did)
+        print(shell.header(), flush=True)
+        report = run(fn, a.convention, a.dtype, a.device, name=a.target,
+                     on_row=lambda r: print(Report.line(r), flush=True))
+        print(report.table().splitlines()[-1])
+    else:
+        report = run(fn, a.convention, a.dtype, a.device, progress=True, name=a.target)
+        print(report.table())
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dataclasses.asdict(report), f, indent=1, default=float)
