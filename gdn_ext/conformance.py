@@ -170,8 +170,9 @@ def _call_target(fn, convention, t, torch, scale, initial_state):
     [N, HV, V, K] layout)."""
     if convention == "gdn_ext":
         g = t["g"] if "gk" not in t else t["g"][..., None] + t["gk"]
-        return fn(t["q"], t["k"], t["v"], beta=t["beta"], g=g, initial_state=initial_state,
-                  scale=scale, normalize_qk=t["normalize"], cu_seqlens=t["cu_seqlens"])
+        return _checked_result(
+            fn(t["q"], t["k"], t["v"], beta=t["beta"], g=g, initial_state=initial_state,
+               scale=scale, normalize_qk=t["normalize"], cu_seqlens=t["cu_seqlens"]), torch)
     s0 = None if initial_state is None else initial_state.transpose(-1, -2)
     kw = dict(g=t["g"], beta=t["beta"], initial_state=s0, output_final_state=True,
               use_qk_l2norm_in_kernel=t["normalize"])
@@ -181,8 +182,20 @@ def _call_target(fn, convention, t, torch, scale, initial_state):
             kw["cu_seqlens"] = t["cu_seqlens"]
     if "gk" in t:
         kw["gk"] = t["gk"]
-    o, S = fn(t["q"], t["k"], t["v"], **kw)
-    return o, (None if S is None else S.transpose(-1, -2))
+    return _checked_result(fn(t["q"], t["k"], t["v"], **kw), torch, transpose=True)
+
+
+def _checked_result(out, torch, transpose=False):
+    """The target's (o, final_state), both tensors; ValueError with what came back otherwise."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(f"the target must return (o, final_state); got {type(out).__name__}"
+                         + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    o, S = out
+    for name, x in (("o", o), ("final_state", S)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"the target returned {type(x).__name__} as {name} (asked for "
+                             f"output_final_state=True); expected a tensor")
+    return o, (S.transpose(-1, -2) if transpose else S)
 
 
 def _to_torch(x, dtype, device, torch):
@@ -253,7 +266,7 @@ def _run_case(case, fn, convention, dtype, device, torch, rng):
             if not same:
                 got["repeat"] = None
     else:
-        notes.append("no gradients (the target's outputs do not require grad)")
+        notes.append("no gradients: the target's outputs do not require grad")
     errors = {}
     for n, a in got.items():
         if n in ("repeat", "backward"):
@@ -274,7 +287,9 @@ def _run_case(case, fn, convention, dtype, device, torch, rng):
 
 @dataclasses.dataclass
 class Report:
-    """The results: one row per case (status "pass", "FAIL", "error" or "skip")."""
+    """The results: one row per case: status "pass" (output, final state and gradients within
+    tolerance), "fwd" (output and final state within tolerance; the target gave no gradients),
+    "FAIL", "error" (the target raised) or "skip" (a feature the target lacks)."""
     target: str
     convention: str
     dtype: str
@@ -282,7 +297,7 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return all(r["status"] in ("pass", "skip") for r in self.rows)
+        return all(r["status"] in ("pass", "fwd", "skip") for r in self.rows)
 
     def header(self) -> str:
         return (f"conformance of {self.target} ({self.convention} convention, {self.dtype}) "
@@ -303,8 +318,10 @@ class Report:
         lines = [self.header()] + [self.line(r) for r in self.rows]
         n_fail = sum(r["status"] in ("FAIL", "error") for r in self.rows)
         n_skip = sum(r["status"] == "skip" for r in self.rows)
-        lines.append(f"{len(self.rows) - n_fail - n_skip} passed, {n_fail} failed, {n_skip} "
-                     f"skipped")
+        n_fwd = sum(r["status"] == "fwd" for r in self.rows)
+        lines.append(f"{len(self.rows) - n_fail - n_skip} passed"
+                     + (f" ({n_fwd} on the forward only: no gradients)" if n_fwd else "")
+                     + f", {n_fail} failed, {n_skip} skipped")
         return "\n".join(lines)
 
 
@@ -318,8 +335,25 @@ def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progres
         raise ValueError(f"convention must be fla, transformers or gdn_ext; got {convention!r}")
     if dtype not in TOLERANCES:
         raise ValueError(f"dtype must be one of {sorted(TOLERANCES)}; got {dtype!r}")
+    if not callable(fn):
+        raise TypeError(f"the target must be callable; got {type(fn).__name__}")
+    if device != "cpu":
+        dev = torch.device(device)           # ValueError for a bad name
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch has no CUDA device")
     feats = _features(fn, convention)
-    cases = CASES if cases is None else cases
+    if cases is None:
+        cases = CASES
+    else:
+        by_name = {c.name: c for c in CASES}
+        if isinstance(cases, (Case, str)):
+            cases = [cases]
+        try:
+            cases = [by_name[c] if isinstance(c, str) else c for c in cases]
+        except KeyError as exc:
+            raise ValueError(f"unknown case {exc}; the cases are {list(by_name)}") from None
+        if not all(isinstance(c, Case) for c in cases):
+            raise TypeError("cases must be Case objects or case names")
     it = cases
     if progress:
         try:
@@ -348,12 +382,26 @@ def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progres
             continue
         tol = TOLERANCES[dt]
         ok = all(rel <= tol for _, rel in errors.values())
-        row.update(status="pass" if ok else "FAIL", tol=tol, errors=errors,
-                   note="; ".join(notes))
+        grads_checked = any(n not in ("o", "final_state") for n in errors)
+        status = "FAIL" if not ok else "pass" if grads_checked else "fwd"
+        if case.repeat and not grads_checked and ok:
+            status = "skip"                  # nothing to repeat without gradients
+        row.update(status=status, tol=tol, errors=errors, note="; ".join(notes))
         rows.append(row)
         if on_row:
             on_row(row)
     return Report(name or getattr(fn, "__qualname__", repr(fn)), convention, dtype, rows)
+
+
+def _finite(x):
+    """JSON without Infinity / NaN (strict parsers refuse them): those become null."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
 
 
 def _load(spec):
@@ -380,8 +428,23 @@ def main(argv=None):
     a = ap.parse_args(argv)
     try:
         fn = _load(a.target)
-    except (ValueError, ImportError, AttributeError) as exc:
-        ap.error(f"cannot load {a.target}: {exc}")
+    except Exception as exc:   # whatever importing the target raised
+        ap.error(f"cannot load {a.target}: {type(exc).__name__}: {exc}")
+    if not callable(fn):
+        ap.error(f"{a.target} is a {type(fn).__name__}, not a function")
+    json_file = None
+    if a.json:
+        try:
+            json_file = open(a.json, "w")
+        except OSError as exc:
+            ap.error(f"--json {a.json}: {exc}")
+    try:
+        import torch
+        if a.device != "cpu" and torch.device(a.device).type == "cuda" \
+                and not torch.cuda.is_available():
+            ap.error(f"--device {a.device}: this torch has no CUDA device")
+    except (RuntimeError, ValueError) as exc:
+        ap.error(f"--device {a.device}: {exc}")
     shell = Report(a.target, a.convention, a.dtype, [])
     if a.no_progress:          # rows as they come (a slow target still shows what it did)
         print(shell.header(), flush=True)
@@ -391,7 +454,7 @@ def main(argv=None):
     else:
         report = run(fn, a.convention, a.dtype, a.device, progress=True, name=a.target)
         print(report.table())
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dataclasses.asdict(report), f, indent=1, default=float)
+    if json_file is not None:
+        with json_file:
+            json.dump(_finite(dataclasses.asdict(report)), json_file, indent=1)
     return 0 if report.passed else 1

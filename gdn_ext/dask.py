@@ -36,16 +36,27 @@ from .recurrence import gated_delta_rule_backward as _np_backward
 __all__ = ["gated_delta_rule", "gated_delta_rule_backward"]
 
 
-def _array(x, name, ndim, layout):
-    """A dask array of ``ndim`` dimensions (NumPy arrays are wrapped, one chunk)."""
+def _array(x, name, ndim, layout, chunks=None):
+    """A dask array of ``ndim`` dimensions. A NumPy array (or array-like) is wrapped with
+    ``chunks`` (those of the dask inputs it goes with; one chunk when None)."""
     if x is None:
         raise TypeError(f"{name} is required (got None)")
     if not isinstance(x, da.Array):
-        x = da.from_array(np.asarray(x), chunks=-1)
-    if x.dtype.kind not in "biuf":
-        raise TypeError(f"{name} must have a real dtype; got {x.dtype}")
+        if type(x).__module__.split(".")[0] == "torch":
+            raise TypeError(f"{name} is a torch tensor: pass a NumPy or dask array "
+                            f"({name}.detach().numpy())")
+        x = np.asarray(x)
+        if x.ndim == ndim and chunks is not None:
+            x = da.from_array(x, chunks=chunks)
+        else:
+            x = da.from_array(x, chunks=-1)
+    if x.dtype.kind not in "biuf" or not np.can_cast(x.dtype, np.float64, "safe"):
+        raise TypeError(f"{name} must have a real dtype that casts safely to float64; got "
+                        f"{x.dtype}")
     if x.ndim != ndim:
         raise ValueError(f"{name} must have shape {layout}; got {list(x.shape)}")
+    if any(np.isnan(c) for cs in x.chunks for c in cs):
+        raise ValueError(f"{name} has unknown chunk sizes; call {name}.compute_chunk_sizes()")
     return x
 
 
@@ -67,9 +78,14 @@ class _Inputs:
                              + ("both" if alpha is not None else "neither"))
         self.gate_name = "alpha" if alpha is not None else "g"
         q = _array(q, "q", 4, "[B, T, H, Dk]")
-        k = _array(k, "k", 4, "[B, T, H, Dk]")
-        v = _array(v, "v", 4, "[B, T, HV, Dv]")
+        k = _array(k, "k", 4, "[B, T, H, Dk]", chunks=q.chunks)
         B, T, H, Dk = q.shape
+        # NumPy inputs take the chunks of q's batch and head chunks (whole groups for values)
+        G0 = (np.shape(v)[2] // H) if H and np.ndim(v) == 4 else 1
+        hv_chunks = tuple(c * G0 for c in q.chunks[2])
+        seq = lambda extra: (q.chunks[0], (T,), hv_chunks) + extra  # noqa: E731
+        v = _array(v, "v", 4, "[B, T, HV, Dv]", chunks=seq((np.shape(v)[-1],)) if np.ndim(v) == 4
+                   else None)
         if k.shape != q.shape:
             raise ValueError(f"k must have the shape of q {list(q.shape)}; got {list(k.shape)}")
         if v.shape[:2] != (B, T) or H == 0 or v.shape[2] % H:
@@ -79,12 +95,13 @@ class _Inputs:
         G = HV // H
         gate = alpha if alpha is not None else g
         gate = _array(gate, self.gate_name, 4 if np.ndim(gate) == 4 else 3,
-                      "[B, T, HV] or [B, T, HV, Dk]")
+                      "[B, T, HV] or [B, T, HV, Dk]",
+                      chunks=seq((Dk,)) if np.ndim(gate) == 4 else seq(()))
         self.per_key = gate.ndim == 4
         if gate.shape != ((B, T, HV, Dk) if self.per_key else (B, T, HV)):
             raise ValueError(f"{self.gate_name} must have shape [B, T, HV] = {[B, T, HV]} or "
                              f"[B, T, HV, Dk] = {[B, T, HV, Dk]}; got {list(gate.shape)}")
-        beta = _array(beta, "beta", 3, f"[B, T, HV] = {[B, T, HV]}")
+        beta = _array(beta, "beta", 3, f"[B, T, HV] = {[B, T, HV]}", chunks=seq(()))
         if beta.shape != (B, T, HV):
             raise ValueError(f"beta must have shape [B, T, HV] = {[B, T, HV]}; got "
                              f"{list(beta.shape)}")
@@ -94,7 +111,8 @@ class _Inputs:
         _one_chunk(beta, "beta", (1,), what)
         _one_chunk(gate, self.gate_name, (1, 3) if self.per_key else (1,), what)
         if initial_state is not None:
-            initial_state = _array(initial_state, "initial_state", 4, "[B, HV, Dv, Dk]")
+            initial_state = _array(initial_state, "initial_state", 4, "[B, HV, Dv, Dk]",
+                                   chunks=(q.chunks[0], hv_chunks, (Dv,), (Dk,)))
             if initial_state.shape != (B, HV, Dv, Dk):
                 raise ValueError(f"initial_state must have shape [B, HV, Dv, Dk] = "
                                  f"{[B, HV, Dv, Dk]}; got {list(initial_state.shape)}")
@@ -212,10 +230,14 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
     :func:`gdn_ext.gated_delta_rule_backward` (``GatedDeltaRuleGrads`` for alpha,
     ``GatedDeltaRuleGradsG`` for g) holding lazy dask arrays, d_initial_state always given.
     """
-    do = _array(do, "do", 4, "[B, T, HV, Dv]")
-    dST = None if dS_T is None else _array(dS_T, "dS_T", 4, "[B, HV, Dv, Dk]")
-    x = _Inputs(q, k, v, beta, alpha, g, initial_state,
-                extra=[do] + ([dST] if dST is not None else []))
+    x = _Inputs(q, k, v, beta, alpha, g, initial_state)
+    vc = x.v.chunks
+    do = _array(do, "do", 4, "[B, T, HV, Dv]", chunks=vc)
+    dST = None if dS_T is None else _array(dS_T, "dS_T", 4, "[B, HV, Dv, Dk]",
+                                           chunks=(vc[0], vc[2], (vc[3][0],),
+                                                   (x.q.chunks[3][0],)))
+    x.dtype = compute_dtype([np.empty(0, x.dtype), np.empty(0, do.dtype)]
+                            + ([np.empty(0, dST.dtype)] if dST is not None else []))
     B, T, H, G, HV, Dk, Dv = x.sizes
     if do.shape != x.v.shape or do.chunks != x.v.chunks:
         raise ValueError(f"do must have v's shape {list(x.v.shape)} and chunks {x.v.chunks}; got "

@@ -5,7 +5,6 @@ Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -21,8 +20,7 @@ __all__ = ["threads", "gated_delta_rule", "gated_delta_rule_backward", "gated_de
            "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count", "StepResult"]
 
 
-@contextlib.contextmanager
-def threads(n: Optional[int]):
+class threads:
     """Run gdn_ext's kernels on ``n`` threads inside a ``with`` block, in the calling thread
     (and asyncio task) only::
 
@@ -35,13 +33,20 @@ def threads(n: Optional[int]):
     block. Other Python threads, and dask tasks (which run in other threads), are not affected:
     give ``gdn_ext.dask`` its ``num_threads``. Composes with ``threadpoolctl.threadpool_limits``
     (which limits NumPy's BLAS and the OpenMP default) by taking precedence over it for gdn_ext.
-    Raises TypeError / ValueError for an n that is not None or a positive int."""
-    value = 0 if n is None else thread_count(n)
-    token = context_threads.set(value)
-    try:
-        yield
-    finally:
-        context_threads.reset(token)
+    Raises TypeError / ValueError for an n that is not None or a positive int (when made). The
+    same object may be entered again, also nested."""
+
+    def __init__(self, n: Optional[int]):
+        self.n = 0 if n is None else thread_count(n)
+        self._tokens = []
+
+    def __enter__(self):
+        self._tokens.append(context_threads.set(self.n))
+        return self
+
+    def __exit__(self, *exc):
+        context_threads.reset(self._tokens.pop())
+        return False
 
 
 def openmp_enabled() -> bool:

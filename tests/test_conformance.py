@@ -126,3 +126,40 @@ def test_command_line(tmp_path, capsys):
     assert len(rows) == len(conformance.CASES)
     with pytest.raises(SystemExit):
         main(["conformance", "no_such_module_xyz:fn"])
+
+
+def test_targets_without_gradients_or_malformed():
+    """A target whose outputs carry no gradients is reported forward-only ("fwd"), never as a
+    full pass; a non-callable is refused; a target that returns the wrong thing errors with a
+    message that says what came back; JSON output is strict."""
+    def detached(q, k, v, g=None, beta=None, **kw):
+        o, S = gt.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        return o.detach(), S.detach()
+
+    report = conformance.run(detached, "fla", "float32", cases=["T=1", "repeatable"])
+    assert [r["status"] for r in report.rows] == ["fwd", "skip"]
+    assert "forward only" in report.table()
+    with pytest.raises(TypeError, match="callable"):
+        conformance.run(3, "fla")
+    with pytest.raises(ValueError, match="unknown case"):
+        conformance.run(detached, "fla", cases=["T=2"])
+
+    def only_o(q, k, v, g=None, beta=None, **kw):
+        return gt.chunk_gated_delta_rule(q, k, v, g, beta, **kw)[0]
+
+    report = conformance.run(only_o, "fla", "float32", cases=["T=1"])
+    assert report.rows[0]["status"] == "error" and "must return (o, final_state)" in \
+        report.rows[0]["note"]
+
+
+def test_json_is_strict(tmp_path):
+    from gdn_ext.__main__ import main
+    out = tmp_path / "r.json"
+    assert main(["conformance", "test_conformance:broken_for_json", "--no-progress",
+                 "--json", str(out)]) == 1
+    json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard {c}"))
+
+
+def broken_for_json(q, k, v, g=None, beta=None, **kw):
+    o, S = gt.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    return o * float("inf"), S

@@ -239,3 +239,34 @@ def test_readme_dask_recipe_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(textwrap.dedent(code), "README.md", "exec"), {})
     assert (tmp_path / "o.zarr").exists()
+
+
+def test_numpy_inputs_join_chunked_dask_ones():
+    """NumPy gates, state and do next to chunked q, k, v take their chunks: same numbers."""
+    x, G = _inputs(np.random.default_rng(6), dtype=np.float64)
+    args, kw = _split(x)
+    o, S = gdn_ext.gated_delta_rule(*args, **kw)
+    qc = da.from_array(x["q"], chunks=(2, -1, 1, -1))
+    kc = da.from_array(x["k"], chunks=(2, -1, 1, -1))
+    o_d, S_d = dask.compute(*gd.gated_delta_rule(qc, kc, x["v"], **kw))
+    np.testing.assert_array_equal(o_d, o)
+    g = gdn_ext.gated_delta_rule_backward(o, *args, **kw)
+    g_d = dask.compute(*gd.gated_delta_rule_backward(o, qc, kc, x["v"], **kw))
+    for a, b in zip(g_d, g):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match="casts safely"):
+        gd.gated_delta_rule(x["q"].astype(np.longdouble), *args[1:], **kw)
+
+
+def test_threads_object_is_reusable_and_checked_when_made():
+    from gdn_ext._checks import thread_count
+    cm = gdn_ext.threads(2)
+    with cm:
+        with cm:
+            assert thread_count(None) == 2
+        assert thread_count(None) == 2
+    with cm:
+        assert thread_count(None) == 2
+    assert thread_count(None) == 0
+    with pytest.raises(ValueError):
+        gdn_ext.threads(0)

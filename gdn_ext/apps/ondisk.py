@@ -84,12 +84,17 @@ def main(argv=None):
         import zarr  # noqa: F401
     except ImportError:
         ap.error('needs dask and zarr: pip install "gdn_ext[dask]" zarr')
+    if a.store is not None and os.path.exists(a.store) and not os.path.isdir(a.store):
+        ap.error(f"--store {a.store} is a file, not a zarr directory")
+    if a.chunk > a.batch:
+        a.chunk = a.batch
     B, T, H, D = a.batch, a.seq_len, a.heads, a.head_dim
     gb = 4 * B * T * H * (4 * D + 2) / 1e9
     with tempfile.TemporaryDirectory() as tmp:
         store = a.store or os.path.join(tmp, "gdn.zarr")
         print(f"batch of {B} sequences x {T} tokens x {H} heads of {D}: {gb:.2f} GB of float32 "
-              f"inputs and outputs in {store}, {-(-B // a.chunk)} chunks of {a.chunk}")
+              f"inputs and outputs in {store}, {-(-B // a.chunk)} chunk"
+              f"{'s' if B > a.chunk else ''} of {a.chunk}")
         seconds, diff = run(store, B, T, H, D, a.chunk, a.threads, a.workers)
     tokens = B * T
     print(f"{seconds:.1f} s, {tokens / seconds:,.0f} tokens/s; first chunk against one NumPy "
