@@ -195,7 +195,8 @@ def worker(rank, world, path):
         whole = grads(model_and_data()[0], x)
         err = max(float((p.grad - whole[n]).abs().max() / whole[n].abs().max().clamp_min(1e-30))
                   for n, p in layer.named_parameters())
-        print("max relative difference", err)
+        print("max relative difference", err, flush=True)
+    dist.barrier()                              # both ranks done before the group goes away
     dist.destroy_process_group()
 
 if __name__ == "__main__":
