@@ -187,7 +187,7 @@ class GatedDeltaNet(nn.Module):
 def _check_mask(mask, B, T, device):
     """attention_mask as a bool [B, T] (True: a real token), or ValueError."""
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, T):
-        raise ValueError(f"attention_mask must be a tensor of shape [B, T] = {[B, T]}; got "
+        raise ValueError(f"attention_mask must have shape [B, T] = {[B, T]} (a tensor); got "
                          f"{getattr(mask, 'shape', type(mask).__name__)}")
     if mask.dtype == torch.bool:
         return mask.to(device)
