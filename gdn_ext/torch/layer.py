@@ -62,7 +62,7 @@ class GatedDeltaNet(nn.Module):
     convolution of a real token reads the previous real tokens of its row (the carried ``conv``
     first), and a masked token is an identity step of the recurrence (decay 1, beta 0). y is zero
     at masked positions, whatever x holds there (NaN included), and no gradient flows back from
-    them. An attention_mask of all ones runs the unmasked path.
+    them. An attention_mask of all ones runs the unmasked path (outside torch.compile).
 
     Raises ValueError for an x that is not [B, T, D], a state of the wrong shapes, an
     attention_mask that is not a [B, T] tensor of bool or 0 / 1 values, an unknown activation.
