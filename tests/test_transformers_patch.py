@@ -171,7 +171,7 @@ def test_fla_keywords_keep_their_meaning_and_packed_sequences_stay_apart():
             torch.testing.assert_close(o2, 0.5 * o1, rtol=1e-12, atol=1e-12)
 
 
-# ---- whole models: forward + loss with the keywords a CausalLM passes down ------------------------
+# ---- whole models: forward + loss with the keywords a CausalLM passes down -----------------------
 
 def _tiny(model, dtype):
     """A randomly initialised tiny CausalLM: one Gated DeltaNet layer (2 key heads, 4 value
