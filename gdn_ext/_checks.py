@@ -192,9 +192,9 @@ def value_messages(beta, gate, k=None, *, log_gate, gate_name=None, delta_rule=T
     Arrays (NumPy, any real dtype): the general form, k [B, T, H, Dk], beta [B, T, HV] (or
     [B, T] / [B, T, 1] with H = 1), the gate shaped as beta (one per head) or beta + [Dk] (one
     per key channel); alpha, or g = log alpha when ``log_gate``. Shapes that do not match are
-    skipped here (the kernels' checks name them). ``where`` follows the argument's name (e.g. "
-    in this chunk"). Cost: a few passes over beta, the gate and k, small next to the
-    recurrence's 7 Dk Dv flops per token and head."""
+    skipped here (the kernels' checks name them). ``where`` follows the argument's name in each
+    message (gdn_ext.dask: " in a dask chunk"). Cost: a few passes over beta, the gate and k,
+    small next to the recurrence's 7 Dk Dv flops per token and head."""
     gate_name = gate_name or ("g" if log_gate else "alpha")
     msgs = []
     with np.errstate(invalid="ignore", over="ignore"):
@@ -223,12 +223,18 @@ def value_messages(beta, gate, k=None, *, log_gate, gate_name=None, delta_rule=T
 
 
 def _key_norm_message(beta, gate, k, log_gate, where):
+    """value_messages' beta ||k||^2 warning, or None."""
     if k.ndim != 4 or k.size == 0:
         return None
     B, T, H, Dk = k.shape
     if beta.size == 0 or beta.size % (B * T * H) or beta.shape[:2] != (B, T):
         return None
+    if k.dtype not in _FLOATS:                                # float16 squares overflow early
+        k = k.astype(np.float64)
     kk = np.einsum("bthd,bthd->bth", k, k)                    # ||k||^2 per token and head
+    kk_max = np.fmax.reduce(kk, axis=None)
+    if not np.fmax.reduce(beta, axis=None) * kk_max > 2:      # the usual case: done
+        return None
     G = beta.size // (B * T * H)                              # value heads per key head
     x = beta.reshape(B, T, H, G) * kk[..., None]
     if gate.size == beta.size:
@@ -244,8 +250,7 @@ def _key_norm_message(beta, gate, k, log_gate, where):
     if not worst > 1:
         return None
     return (f"beta * ||k||^2 is above 2{where} (up to {np.fmax.reduce(x, axis=None):.3g}; "
-            f"||k||^2 up to {np.fmax.reduce(kk, axis=None):.3g}) at steps where the transition "
-            f"along k, alpha * (1 - beta ||k||^2), has "
-            f"magnitude up to {worst:.3g} > 1: the state can grow without bound (the delta rule "
-            f"is stable for beta ||k||^2 in [0, 2]); normalise the keys (normalize_qk=True) or "
-            f"scale beta down" + OFF)
+            f"||k||^2 up to {kk_max:.3g}) at steps where the transition along k, "
+            f"alpha * (1 - beta ||k||^2), has magnitude up to {worst:.3g} > 1: the state can "
+            f"grow without bound (the delta rule is stable for beta ||k||^2 in [0, 2]); "
+            f"normalise the keys (normalize_qk=True) or scale beta down" + OFF)
