@@ -224,8 +224,9 @@ def test_ctrl_c_stops_long_calls():
 # ---- warnings at the caller's line ----------------------------------------------------------------
 
 def _small(rng, B=1, T=5, H=2, D=3):
-    k = rng.standard_normal((B, T, H, D))   # unit keys: beta ||k||^2 in range but where meant
-    return dict(q=rng.standard_normal((B, T, H, D)), k=k / np.linalg.norm(k, axis=-1, keepdims=True),
+    k = rng.standard_normal((B, T, H, D))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)   # unit keys: beta ||k||^2 in range
+    return dict(q=rng.standard_normal((B, T, H, D)), k=k,
                 v=rng.standard_normal((B, T, H, D)), beta=np.full((B, T, H), 0.5),
                 alpha=np.full((B, T, H), 0.9))
 

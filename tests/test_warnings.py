@@ -119,10 +119,11 @@ def test_single_head_and_grouped_heads_check_the_right_keys():
     beta, alpha = x["beta"][:, :, 0].copy(), x["alpha"][:, :, 0]
     beta[:] = 0.1
     k[1, 2] *= 5                                         # ||k||^2 = 25, beta = 0.1: 2.5 > 2
-    _expect(_caught(lambda: gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=np.ones_like(alpha))),
+    ones = np.ones_like(alpha)
+    _expect(_caught(lambda: gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=ones)),
             "beta * ||k||^2 is above 2")
     beta[1, 2] = 0.01                                    # 0.25: fine
-    _silent(lambda: gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=np.ones_like(alpha)))
+    _silent(lambda: gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=ones))
     # grouped: key head 1 is big; value heads 2, 3 read it, 0, 1 do not
     HV = 2 * H
     k = x["k"].copy()
@@ -325,7 +326,8 @@ def _dask():
 
 def _chunked(x):
     da, _ = _dask()
-    return {n: da.from_array(a, chunks=(1,) + a.shape[1:2] + (1,) + a.shape[3:]) for n, a in x.items()}
+    return {n: da.from_array(a, chunks=(1,) + a.shape[1:2] + (1,) + a.shape[3:])
+            for n, a in x.items()}
 
 
 @pytest.mark.parametrize("bad", sorted(BAD))
