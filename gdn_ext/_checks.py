@@ -145,7 +145,14 @@ def converted(a, dtype, fn=None):
     return out
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside(f):
+    """The first frame from ``f`` outward whose code is not gdn_ext's (None if none)."""
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE):
+        f = f.f_back
+    return f
 
 
 def caller_stacklevel():
@@ -157,6 +164,128 @@ def caller_stacklevel():
     return level
 
 
-def warn(message, category=UserWarning):
-    """A warning that points at the user's line."""
-    warnings.warn(message, category, stacklevel=caller_stacklevel())
+def caller_location():
+    """(filename, lineno, module name) of the user's line that called into gdn_ext: where a
+    warning issued later, e.g. by a dask task in another thread, should point."""
+    f = _outside(sys._getframe(1))
+    if f is None:
+        return None
+    return f.f_code.co_filename, f.f_lineno, f.f_globals.get("__name__", "<string>")
+
+
+def warn(message, category=UserWarning, at=None):
+    """A warning that points at the user's line: the caller's (first frame outside gdn_ext), or
+    ``at`` from :func:`caller_location` (filtered and shown once per line as warnings.warn)."""
+    if at is None:
+        warnings.warn(message, category, stacklevel=caller_stacklevel())
+        return
+    filename, lineno, module = at
+    globs = getattr(sys.modules.get(module), "__dict__", None)
+    registry = None if globs is None else globs.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(message, category, filename, lineno, module, registry, globs)
+
+
+# ---- values a learner may not mean -------------------------------------------------------------
+# One implementation for every front end (NumPy, torch, the flash-linear-attention drop-ins,
+# dask): they pass NumPy arrays (views of their tensors / blocks) and issue what comes back.
+
+OFF = " (check_values=False turns this warning off)"
+
+
+def _range(x):
+    """(min, max) ignoring NaN (NaN where all are); None for an empty array."""
+    x = np.asarray(x)
+    if x.size == 0:
+        return None
+    return np.fmin.reduce(x, axis=None), np.fmax.reduce(x, axis=None)
+
+
+def head_first_message(shape, name="q", dims=("B", "T", "H", "Dk")):
+    """The layout warning for q of ``shape`` [B, T, H, D] with 1 < T < H, else None: arrays
+    [B, H, T, D] (head-first) read as [B, T, H, D] show a short T and many heads. Decoding
+    (T = 1) never warns; a prompt shorter than the number of heads does (as fla's own check)."""
+    if len(shape) != 4 or not 1 < shape[1] < shape[2]:
+        return None
+    lay = "[" + ", ".join(dims) + "]"
+    return (f"{name} has shape {lay} = {fmt(shape)} with T = {shape[1]} < H = {shape[2]}: if it "
+            f"is head-first [B, H, T, {dims[3]}], transpose q, k, v and the gates to "
+            f"[B, T, H, ...]" + OFF)
+
+
+def value_messages(beta, gate, k=None, *, log_gate, gate_name=None, delta_rule=True,
+                   normalize_qk=False, where=""):
+    """Warnings (strings) for values the recurrence takes but a learner may not mean:
+
+    - alpha outside [0, 1] or g above 0 (the decay should keep at most the whole state);
+    - with the delta rule: beta outside [0, 2], and, keys not normalised, steps where
+      beta ||k||^2 > 2 and the transition along k, alpha (1 - beta ||k||^2), has magnitude
+      above 1. The transition S -> S alpha (I - beta k k^T) keeps alpha on directions
+      orthogonal to k and alpha (1 - beta ||k||^2) along k: for every alpha in [0, 1] it does
+      not grow the state iff beta ||k||^2 is in [0, 2] (the wider [1 - 1/alpha, 1 + 1/alpha]
+      for that alpha), so only steps past 2 with alpha (beta ||k||^2 - 1) > 1 warn.
+
+    Arrays (NumPy, any real dtype): the general form, k [B, T, H, Dk], beta [B, T, HV] (or
+    [B, T] / [B, T, 1] with H = 1), the gate shaped as beta (one per head) or beta + [Dk] (one
+    per key channel); alpha, or g = log alpha when ``log_gate``. Shapes that do not match are
+    skipped here (the kernels' checks name them). ``where`` follows the argument's name in each
+    message (gdn_ext.dask: " in a dask chunk"). Cost: a few passes over beta, the gate and k,
+    small next to the recurrence's 7 Dk Dv flops per token and head."""
+    gate_name = gate_name or ("g" if log_gate else "alpha")
+    msgs = []
+    with np.errstate(invalid="ignore", over="ignore"):
+        r = _range(gate)
+        if r is not None and not log_gate and (r[0] < 0 or r[1] > 1):
+            msgs.append(f"{gate_name} has values outside [0, 1]{where} (min {r[0]:.3g}, max "
+                        f"{r[1]:.3g}): it is the fraction of the state kept per step; for a "
+                        f"log decay pass g instead" + OFF)
+        if r is not None and log_gate and r[1] > 0:
+            msgs.append(f"{gate_name} has values above 0{where} (max {r[1]:.3g}): it is the log "
+                        f"decay, alpha = exp({gate_name}) <= 1; positive values make the state "
+                        f"grow" + OFF)
+        if not delta_rule:      # linear attention's write beta v k^T: any beta is a scale
+            return msgs
+        r = _range(beta)
+        if r is not None and (r[0] < 0 or r[1] > 2):
+            msgs.append(f"beta has values outside [0, 2]{where} (min {r[0]:.3g}, max "
+                        f"{r[1]:.3g}): the delta rule's write strength; the state stays bounded "
+                        f"for beta ||k||^2 in [0, 2], i.e. beta in [0, 2] for unit-norm keys" + OFF)
+        if k is not None and not normalize_qk:
+            m = _key_norm_message(np.asarray(beta), np.asarray(gate), np.asarray(k), log_gate,
+                                  where)
+            if m:
+                msgs.append(m)
+    return msgs
+
+
+def _key_norm_message(beta, gate, k, log_gate, where):
+    """value_messages' beta ||k||^2 warning, or None."""
+    if k.ndim != 4 or k.size == 0:
+        return None
+    B, T, H, Dk = k.shape
+    if beta.size == 0 or beta.size % (B * T * H) or beta.shape[:2] != (B, T):
+        return None
+    if k.dtype not in _FLOATS:                                # float16 squares overflow early
+        k = k.astype(np.float64)
+    kk = np.einsum("bthd,bthd->bth", k, k)                    # ||k||^2 per token and head
+    kk_max = np.fmax.reduce(kk, axis=None)
+    if not np.fmax.reduce(beta, axis=None) * kk_max > 2:      # the usual case: done
+        return None
+    G = beta.size // (B * T * H)                              # value heads per key head
+    x = beta.reshape(B, T, H, G) * kk[..., None]
+    if gate.size == beta.size:
+        a = gate.reshape(B, T, H, G)
+    elif gate.size == beta.size * Dk:                         # per key: the largest decay
+        a = np.max(gate.reshape(B, T, H, G, Dk), axis=-1)
+    else:
+        return None
+    if log_gate:
+        a = np.exp(a)
+    grow = np.where(x > 2, a * (x - 1), 0)
+    worst = np.fmax.reduce(grow, axis=None)
+    if not worst > 1:
+        return None
+    return (f"beta * ||k||^2 is above 2{where} (up to {np.fmax.reduce(x, axis=None):.3g}; "
+            f"||k||^2 up to {kk_max:.3g}) at steps where the transition along k, "
+            f"alpha * (1 - beta ||k||^2), has magnitude up to {worst:.3g} > 1: the state can "
+            f"grow without bound (the delta rule is stable for beta ||k||^2 in [0, 2]); "
+            f"normalise the keys (normalize_qk=True) or scale beta down" + OFF)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ._native import _core
 from ._checks import (as_real_array, compute_dtype, converted, expect_shape, flag, fmt,
-                      real_scalar, warn)
+                      head_first_message, real_scalar, value_messages, warn)
 
 __all__ = []
 
@@ -78,7 +78,7 @@ class _Problem:
         self._check_packed(cu_seqlens)
         self._check_state(s0)
         if check_values:
-            self._warn_unusual(beta, gate)
+            self._warn_unusual(k, beta, gate)
         self.dtype = compute_dtype([q, k, v, beta, gate] + ([s0] if s0 is not None else [])
                                    + list(extra))
         self._build_views(q, k, v, beta, gate, s0)
@@ -160,28 +160,19 @@ class _Problem:
                              f"gate per head) or {key_lay} = {fmt(n.user(per_key))} (one per key "
                              f"channel); got {fmt(n.user(gate.shape))}")
 
-    def _warn_unusual(self, beta, gate):
-        """Warnings for values a learner may not mean (cheap next to the recurrence): a decay
-        outside [0, 1], a log decay above 0, beta outside [0, 2] (the state then grows without
-        bound), and q of a sequence shorter than its number of heads (head-first layout?)."""
-        off = " (check_values=False turns this warning off)"
-        with np.errstate(invalid="ignore"):
-            if self.gate_name == "alpha" and np.any((gate < 0) | (gate > 1)):
-                warn(f"alpha has values outside [0, 1] (min {np.min(gate):.3g}, max "
-                     f"{np.max(gate):.3g}): it is the fraction of the state kept per step; for a "
-                     f"log decay pass g instead" + off)
-            if self.gate_name == "g" and np.any(gate > 0):
-                warn(f"g has values above 0 (max {np.max(gate):.3g}): g is the log decay, "
-                     f"alpha = exp(g) <= 1; positive g makes the state grow" + off)
-            if np.any((beta < 0) | (beta > 2)):
-                warn(f"beta has values outside [0, 2] (min {np.min(beta):.3g}, max "
-                     f"{np.max(beta):.3g}): the delta rule's write strength; outside [0, 2] "
-                     f"the state's memory diverges" + off)
+    def _warn_unusual(self, k, beta, gate):
+        """Warnings for values a learner may not mean (cheap next to the recurrence; see
+        _checks.value_messages): a decay outside [0, 1], a log decay above 0, with the delta rule
+        beta outside [0, 2] or beta ||k||^2 above 2 where the state can grow (keys not
+        normalised), and q of a sequence shorter than its number of heads (head-first?)."""
+        for m in value_messages(beta, gate, k, log_gate=self.gate_name == "g",
+                                delta_rule=self.delta_rule, normalize_qk=self.normalize_qk):
+            warn(m)
         n = self.names
-        if not n.step and not self.single_head and 1 < self.T < self.H:
-            warn(f"{n.q} has shape [B, T, H, Dk] = {fmt((self.B, self.T, self.H, self.Dk))} with "
-                 f"T = {self.T} < H = {self.H}: if it is head-first [B, H, T, D], transpose q, k, "
-                 f"v and the gates to [B, T, H, ...]" + off)
+        if not n.step and not self.single_head:
+            m = head_first_message((self.B, self.T, self.H, self.Dk), n.q)
+            if m:
+                warn(m)
 
     def _check_packed(self, cu_seqlens):
         """cu_seqlens (FlashAttention's packed batch) checked against B and T."""

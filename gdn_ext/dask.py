@@ -13,6 +13,12 @@ runs along T); with grouped value heads (HV = G H) a chunk of value heads must h
 float32 when every input casts safely to float32, float64 otherwise (a Python float ``scale``
 does not change it).
 
+Warnings (``check_values=True``, as :func:`gdn_ext.gated_delta_rule`'s): the layout one (q with
+1 < T < H, head-first?) comes from the shapes when the graph is built; the value ones (alpha, g,
+beta, beta ||k||^2) when a chunk is computed, from that chunk's values. All point at the line
+that called ``gdn_ext.dask``. A chunk's warnings are issued where it runs: in this process for
+the threaded and synchronous schedulers, in the worker for processes and ``distributed``.
+
 Source of the math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2
 with Delta Rule", ICLR 2025 (arXiv:2412.06464), sec. 3.
 """
@@ -28,7 +34,8 @@ except ImportError as _exc:  # pragma: no cover - exercised without dask
     raise ImportError('gdn_ext.dask needs dask: pip install "gdn_ext[dask]" (or "dask[array]")'
                       ) from _exc
 
-from ._checks import compute_dtype, flag, real_scalar, thread_count
+from ._checks import (caller_location, compute_dtype, flag, head_first_message, real_scalar,
+                      thread_count, value_messages, warn)
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG
 from .recurrence import gated_delta_rule as _np_forward
 from .recurrence import gated_delta_rule_backward as _np_backward
@@ -158,6 +165,25 @@ class _Inputs:
         return x.reshape((B, H, G) + x.shape[2:])
 
 
+def _checker(x, check_values, delta_rule, normalize_qk):
+    """The layout warning now (graph time), and a function that warns about a chunk's values
+    when it runs (compute time), both at the user's line; None when check_values is False."""
+    if not flag(check_values, "check_values"):
+        return None
+    m = head_first_message(tuple(x.q.shape), "q")
+    if m:
+        warn(m)
+    at = caller_location()
+    log_gate = x.gate_name == "g"
+
+    def check(u):
+        for m in value_messages(u["beta"], u["gate"], u["k"], log_gate=log_gate,
+                                delta_rule=delta_rule, normalize_qk=normalize_qk,
+                                where=" in a dask chunk"):
+            warn(m, at=at)
+    return check
+
+
 def _to_user(q, k, v, beta, gate, s0):
     """Block arrays in the gufunc layout -> gdn_ext's [b, T, h, D] layout."""
     b, h, G, T = v.shape[:4]
@@ -180,7 +206,7 @@ def _from_user_seq(x, h, G):
 
 def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
                      normalize_qk: bool = False, delta_rule: bool = True,
-                     num_threads: Optional[int] = 1):
+                     num_threads: Optional[int] = 1, check_values: bool = True):
     """:func:`gdn_ext.gated_delta_rule` on dask arrays, lazily, one gdn_ext call per chunk.
 
     q, k [B, T, H, Dk]; v [B, T, HV, Dv]; beta [B, T, HV]; alpha or g [B, T, HV] or
@@ -188,6 +214,9 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     B and the heads only (a chunked T, Dk or Dv raises ValueError naming the argument); value
     heads in chunks of whole groups aligned with q's head chunks. ``num_threads``: kernel threads
     per task (default 1: dask runs tasks in parallel already; None: OpenMP's default).
+    ``check_values`` (default True): :func:`gdn_ext.gated_delta_rule`'s warnings, at the line
+    of this call: the layout one from the shapes now, the value ones from each chunk's values
+    when it is computed (see the module docstring); False turns them off.
 
     Returns lazy (o [B, T, HV, Dv], S_T [B, HV, Dv, Dk]) of the computation's dtype.
     Raises ValueError / TypeError for bad shapes, chunks, dtypes, options.
@@ -197,6 +226,7 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     opts = dict(scale=real_scalar(scale, "scale"), normalize_qk=flag(normalize_qk, "normalize_qk"),
                 delta_rule=flag(delta_rule, "delta_rule"),
                 num_threads=thread_count(num_threads) or None)
+    check = _checker(x, check_values, opts["delta_rule"], opts["normalize_qk"])
     gate_name, dt = x.gate_name, x.dtype
     B, T, H, G, HV, Dk, Dv = x.sizes
     tg = "(g,t,k)" if x.per_key else "(g,t)"
@@ -208,6 +238,8 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
 
     def block(q_, k_, v_, b_, a_, s0_=None):
         u = _to_user(q_, k_, v_, b_, a_, s0_)
+        if check is not None:
+            check(u)
         o, S = _np_forward(u["q"], u["k"], u["v"], beta=u["beta"], **{gate_name: u["gate"]},
                            initial_state=u["s0"], check_values=False, **opts)
         h = q_.shape[1]
@@ -222,11 +254,12 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
 
 def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
                               dS_T=None, scale=1.0, normalize_qk: bool = False,
-                              delta_rule: bool = True, num_threads: Optional[int] = 1):
+                              delta_rule: bool = True, num_threads: Optional[int] = 1,
+                              check_values: bool = True):
     """:func:`gdn_ext.gated_delta_rule_backward` on dask arrays, lazily, chunk by chunk.
 
     Arguments as :func:`gated_delta_rule`, plus do [B, T, HV, Dv] and dS_T [B, HV, Dv, Dk] (or
-    None), chunked like v and initial_state. Returns the gradients tuple of
+    None), chunked like v and initial_state (``check_values`` as there). Returns the gradients tuple of
     :func:`gdn_ext.gated_delta_rule_backward` (``GatedDeltaRuleGrads`` for alpha,
     ``GatedDeltaRuleGradsG`` for g) holding lazy dask arrays, d_initial_state always given.
     """
@@ -251,6 +284,7 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
     opts = dict(scale=real_scalar(scale, "scale"), normalize_qk=flag(normalize_qk, "normalize_qk"),
                 delta_rule=flag(delta_rule, "delta_rule"),
                 num_threads=thread_count(num_threads) or None)
+    check = _checker(x, check_values, opts["delta_rule"], opts["normalize_qk"])
     gate_name, dt = x.gate_name, x.dtype
     tg = "(g,t,k)" if x.per_key else "(g,t)"
     has_s0, has_dst = x.initial_state is not None, dST is not None
@@ -268,6 +302,8 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         s0_ = states[0] if has_s0 else None
         dst_ = states[-1] if has_dst else None
         u = _to_user(q_, k_, v_, b_, a_, s0_)
+        if check is not None:
+            check(u)
         h, b = q_.shape[1], q_.shape[0]
         d_o = do_.transpose(0, 3, 1, 2, 4).reshape(b, T, h * G, Dv)
         dS = None if dst_ is None else dst_.reshape((b, h * G) + dst_.shape[3:])

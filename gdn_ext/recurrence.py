@@ -181,9 +181,12 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
         DeltaNet (alpha = 1), Gated DeltaNet and Kimi Delta Attention's per-key-gated delta rule
         (delta_rule=True). Same cost.
     check_values : bool, default True
-        Warn (UserWarning, at the caller's line) when alpha is outside [0, 1], g above 0, beta
-        outside [0, 2], or T < H with 1 < T (q may be head-first [B, H, T, D]). The results are
-        computed all the same; False skips these checks.
+        Warn (UserWarning, at the caller's line) when alpha is outside [0, 1], g above 0, or T < H
+        with 1 < T (q may be head-first [B, H, T, D]); with the delta rule also when beta is
+        outside [0, 2] or, keys not normalised, beta ||k||^2 is above 2 at a step whose
+        transition along k, alpha (1 - beta ||k||^2), exceeds 1 in magnitude (the state is kept
+        bounded by beta ||k||^2 in [0, 2] whatever alpha in [0, 1]). The results are computed
+        all the same; False skips these checks (a few passes over beta, the gate and k).
 
     Returns
     -------
@@ -421,8 +424,8 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
     inplace : bool, default False -- write S_t over ``state`` and return it as new_state (decoding
         without a new [B, HV, Dv, Dk] array per token; the same numbers). ``state`` must then be a
         writeable, C-contiguous ndarray of the result's dtype.
-    check_values : bool, default True -- warn about alpha, g, beta out of range, as
-        gated_delta_rule.
+    check_values : bool, default True -- warn about alpha, g, beta, beta ||k||^2 out of range,
+        as gated_delta_rule.
     delta_rule : bool, default True -- False: u_t = beta_t v_t, as gated_delta_rule.
 
     Returns

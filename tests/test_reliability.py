@@ -264,7 +264,9 @@ def test_ctrl_c_stops_long_calls():
 # ---- warnings at the caller's line ----------------------------------------------------------------
 
 def _small(rng, B=1, T=5, H=2, D=3):
-    return dict(q=rng.standard_normal((B, T, H, D)), k=rng.standard_normal((B, T, H, D)),
+    k = rng.standard_normal((B, T, H, D))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)   # unit keys: beta ||k||^2 in range
+    return dict(q=rng.standard_normal((B, T, H, D)), k=k,
                 v=rng.standard_normal((B, T, H, D)), beta=np.full((B, T, H), 0.5),
                 alpha=np.full((B, T, H), 0.9))
 
@@ -309,10 +311,11 @@ def test_head_first_layout_warns():
     rng = np.random.default_rng(7)
     B, H, T, D = 2, 3, 8, 4
     q = rng.standard_normal((B, H, T, D))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)      # unit keys: only the layout is odd
     gates = np.full((B, H, T), 0.5)
     with pytest.warns(UserWarning, match=r"T = 3 < H = 8: if it is head-first") as w:
         gdn_ext.gated_delta_rule(q, q, q, beta=gates, alpha=gates)
-    assert w.list[0].filename == __file__
+    assert len(w.list) == 1 and w.list[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gdn_ext.gated_delta_rule(q[:, :1], q[:, :1], q[:, :1], beta=gates[:, :1],

@@ -4,6 +4,7 @@ import os
 import pickle
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -234,16 +235,31 @@ def test_ondisk_example_runs():
     assert "largest difference 0.0e+00" in out.stdout
 
 
-def test_readme_dask_recipe_runs_as_written(tmp_path, monkeypatch):
-    pytest.importorskip("zarr")
+def _readme_dask_recipe():
     import pathlib
     import textwrap
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     start = readme.index("  ```python\n  import dask.array as da, gdn_ext.dask as gd")
-    code = readme[start:].split("\n", 1)[1].split("  ```", 1)[0]
+    return textwrap.dedent(readme[start:].split("\n", 1)[1].split("  ```", 1)[0])
+
+
+def test_readme_dask_recipe_runs_as_written(tmp_path, monkeypatch):
+    """The recipe runs, and its inputs are ones gdn_ext does not warn about (gdn_ext.dask checks
+    the values of each chunk when it is computed)."""
+    pytest.importorskip("zarr")
+    code = _readme_dask_recipe()
     monkeypatch.chdir(tmp_path)
-    exec(compile(textwrap.dedent(code), "README.md", "exec"), {})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", module="README")
+        warnings.filterwarnings("error", message=".*check_values=False")
+        exec(compile(code, "README.md", "exec"), {"__name__": "README"})
     assert (tmp_path / "o.zarr").exists()
+    # the same recipe fed beta in [-1, 0] (as it once did) warns, at the recipe's line
+    bad = code.replace('"beta": (0, 1)', '"beta": (-1, 0)')
+    assert bad != code
+    with pytest.warns(UserWarning, match=r"beta has values outside \[0, 2\] in a dask chunk") as w:
+        exec(compile(bad, "README.md", "exec"), {"__name__": "README"})
+    assert any(r.filename == "README.md" and "beta has values" in str(r.message) for r in w)
 
 
 def test_numpy_inputs_join_chunked_dask_ones():

@@ -19,7 +19,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .function import gated_delta_rule
+from .._checks import flag
+from .function import gated_delta_rule, warn_unusual
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
 
@@ -49,7 +50,7 @@ def _expect(t, name, shape, layout):
 def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
               use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
               use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
-              ungated_ok):
+              ungated_ok, check_values=True):
     """flash-linear-attention's conventions, checked -> gated_delta_rule -> theirs."""
     _tensor(q, "q")
     if q.dim() != 4:
@@ -121,11 +122,17 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
         scale = K ** -0.5
     if initial_state is not None and not state_v_first:   # [N, HV, K, V] -> gdn_ext's [.., V, K]
         initial_state = initial_state.transpose(-1, -2)
+    q, k, v, beta, log_decay = (x.to(dt) for x in (q, k, v, beta, log_decay))
+    if check_values:     # on what the recurrence sees: the log decay and beta as computed here
+        warn_unusual(q, k, beta, log_decay, log_gate=True, delta_rule=True,
+                     normalize_qk=bool(use_qk_l2norm_in_kernel),
+                     gate_name="g + gk" if g is not None and gk is not None else
+                     "gk" if g is None else "g", dims=("B", "T", "H", "K"))
     o, S_T = gated_delta_rule(
-        q.to(dt), k.to(dt), v.to(dt), beta=beta.to(dt), g=log_decay.to(dt),
+        q, k, v, beta=beta, g=log_decay,
         initial_state=None if initial_state is None else initial_state.to(dt), scale=scale,
         output_final_state=output_final_state, normalize_qk=bool(use_qk_l2norm_in_kernel),
-        cu_seqlens=cu_seqlens)
+        cu_seqlens=cu_seqlens, check_values=False)
     if S_T is not None and not state_v_first:   # a fresh [N, HV, K, V], as fla returns
         S_T = S_T.transpose(-1, -2).contiguous()
     return o.to(out_dtype), S_T
@@ -157,6 +164,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            A_log: Optional[torch.Tensor] = None,
                            dt_bias: Optional[torch.Tensor] = None, chunk_size: int = 64,
                            transpose_state_layout: Optional[bool] = None, head_first=None,
+                           check_values: bool = True,
                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Drop-in for flash-linear-attention's ``chunk_gated_delta_rule`` (and transformers'
     ``torch_chunk_gated_delta_rule``) on CPU tensors, with gradients.
@@ -179,6 +187,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
       head_first: removed upstream (ValueError if true).
       gk: [B, T, HV, K] per-key-channel log decay (beyond fla's chunk function; alone or added
         to g).
+      check_values: gdn_ext's warnings (a UserWarning at the caller's line; False turns them
+        off), on what the recurrence sees: the log decay (g, gk, or the one computed in the
+        kernel) above 0; beta (after the sigmoid when computed in the kernel) outside [0, 2];
+        without use_qk_l2norm_in_kernel, beta ||k||^2 above 2 at a step that grows the state
+        along k; q with 1 < T < H (head-first [B, H, T, K] tensors?), as fla's own check.
+        Skipped while torch.compile traces.
 
     Returns (o [B, T, HV, V] in v's dtype, final_state or None, contiguous). Computed by gdn_ext's C kernels
     in float64 for float64 inputs, else float32 (bfloat16 / float16 inputs: o is cast back to
@@ -201,7 +215,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                      use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
-                     ungated_ok=False)
+                     ungated_ok=False, check_values=flag(check_values, "check_values"))
 
 
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -220,6 +234,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      allow_neg_eigval: bool = False, state_v_first: bool = False,
                                      cu_seqlens: Optional[torch.Tensor] = None, *,
                                      transpose_state_layout: Optional[bool] = None,
+                                     check_values: bool = True,
                                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Drop-in for flash-linear-attention's ``fused_recurrent_gated_delta_rule`` (and
     transformers' ``torch_recurrent_gated_delta_rule``) on CPU tensors, with gradients.
@@ -237,4 +252,4 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     return _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                      use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
-                     ungated_ok=True)
+                     ungated_ok=True, check_values=flag(check_values, "check_values"))

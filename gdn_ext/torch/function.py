@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .._checks import flag, thread_count
+from .._checks import flag, head_first_message, thread_count, value_messages, warn
 from .._native import _core
 from ..recurrence import gated_delta_rule as _np_forward
 from ..recurrence import gated_delta_rule_backward as _np_backward
@@ -212,12 +212,42 @@ def _check_ranks(q, k, v, beta, gate, gate_name, initial_state):
                          f"{list(initial_state.shape)}")
 
 
+def _plain(t) -> bool:
+    """A dense CPU tensor whose values Python can read now (not a fake / functional tensor of a
+    trace): others skip the value checks and meet the kernels' own errors."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+            and t.device.type == "cpu")
+
+
+def warn_unusual(q, k, beta, gate, *, log_gate, delta_rule, normalize_qk, gate_name=None,
+                 dims=("B", "T", "H", "Dk")):
+    """The NumPy front end's warnings (:func:`gdn_ext._checks.value_messages`,
+    ``head_first_message``) for CPU tensors, at the caller's line. q, k [B, T, H, Dk] (or the
+    single-head [B, T, Dk]), beta and the gate as :func:`gated_delta_rule` takes them. Skipped
+    while torch.compile traces (the values are not known then, and reading them would break
+    the graph) and for tensor subclasses whose values cannot be read."""
+    if torch.compiler.is_compiling():
+        return
+    m = head_first_message(tuple(q.shape), "q", dims)
+    if m:
+        warn(m)
+    if not all(_plain(t) for t in (k, beta, gate)):
+        return
+    k_, beta_, gate_ = _numpy(k), _numpy(beta), _numpy(gate)
+    if k_.ndim == 3:                           # single-head: the general form, H = 1
+        k_ = k_[:, :, None]
+    for m in value_messages(beta_, gate_, k_, log_gate=log_gate, gate_name=gate_name,
+                            delta_rule=delta_rule, normalize_qk=normalize_qk):
+        warn(m)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: torch.Tensor,
                      alpha: Optional[torch.Tensor] = None, g: Optional[torch.Tensor] = None,
                      initial_state: Optional[torch.Tensor] = None, scale: float = 1.0,
                      output_final_state: bool = True, normalize_qk: bool = False,
                      cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
                      num_threads: Optional[int] = None, delta_rule: bool = True,
+                     check_values: bool = True,
                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`gdn_ext.gated_delta_rule` on torch tensors, differentiable (autograd).
 
@@ -228,6 +258,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     form; ``scale`` default 1; ``normalize_qk``; ``cu_seqlens`` (a tensor or sequence of ints,
     with B = 1); ``delta_rule=False`` for linear attention's write u_t = beta_t v_t (the rule
     family, as :func:`gdn_ext.gated_delta_rule`).
+
+    ``check_values`` (default True): the warnings of :func:`gdn_ext.gated_delta_rule` (a
+    UserWarning at the caller's line for alpha outside [0, 1], g above 0, with the delta rule
+    beta outside [0, 2] or, keys not normalised, beta ||k||^2 above 2 where a step can grow the
+    state, and q with 1 < T < H, perhaps head-first), read from the tensors' values before the
+    kernels run (a min / max pass over beta, the gate and k, no copies); False turns them off.
+    While ``torch.compile`` traces the function they are skipped (values are unknown then).
 
     Returns (o, S_T): o [B, T, HV, Dv], S_T shaped as the state (None when output_final_state is
     False). Gradients reach every tensor input through gdn_ext's C backward pass over time;
@@ -277,6 +314,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     normalize_qk = flag(normalize_qk, "normalize_qk")
     output_final_state = flag(output_final_state, "output_final_state")
     delta_rule = flag(delta_rule, "delta_rule")
+    if flag(check_values, "check_values"):
+        warn_unusual(q, k, beta, gate, log_gate=gate_name == "g", delta_rule=delta_rule,
+                     normalize_qk=normalize_qk)
     # Under torch.compile the checkpoints are not handed over: their count is a function of T
     # (about sqrt(T)) that would fix T in the graph; the backward then makes its own.
     keep = (torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())

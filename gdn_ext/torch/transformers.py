@@ -51,7 +51,8 @@ def transformers_chunk_gated_delta_rule(query, key, value, g=None, beta=None, ch
     what the fallback cannot chunk by); flash-linear-attention's other keywords (``cu_seqlens``,
     ``scale``, ...) with their meaning there; every other keyword ignored, as the fallback
     ignores its ``**kwargs``. ``seq_idx`` without ``cu_seqlens`` is a ValueError (transformers
-    refuses it without flash-linear-attention too).
+    refuses it without flash-linear-attention too). No value warnings unless
+    ``check_values=True`` is passed: the model makes its inputs, and the fallback warns for none.
 
     Shapes as the fallback: query, key [B, T, H, K]; value [B, T, HV, V]; g, beta [B, T, HV];
     initial_state [B, HV, K, V]. Returns (o [B, T, HV, V], final state [B, HV, K, V] or None).
@@ -60,7 +61,7 @@ def transformers_chunk_gated_delta_rule(query, key, value, g=None, beta=None, ch
     return chunk_gated_delta_rule(
         query, key, value, g=g, beta=beta, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        **_fla_keywords(chunk_gated_delta_rule, kwargs))
+        **{'check_values': False, **_fla_keywords(chunk_gated_delta_rule, kwargs)})
 
 
 def transformers_recurrent_gated_delta_rule(query, key, value, g=None, beta=None,
@@ -73,7 +74,7 @@ def transformers_recurrent_gated_delta_rule(query, key, value, g=None, beta=None
     return fused_recurrent_gated_delta_rule(
         query, key, value, g=g, beta=beta, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        **_fla_keywords(fused_recurrent_gated_delta_rule, kwargs))
+        **{'check_values': False, **_fla_keywords(fused_recurrent_gated_delta_rule, kwargs)})
 
 
 def patch_transformers(module=None):

@@ -1,0 +1,394 @@
+"""The value and layout warnings from every front end: NumPy, gdn_ext.torch's function, the
+flash-linear-attention drop-ins, the torch layer and gdn_ext.dask. Each warning points at the
+caller's line (here: this file), check_values=False turns it off, ordinary inputs give none."""
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+import gdn_ext
+
+B, T, H, D = 2, 6, 2, 4
+
+
+def _inputs(rng, gate="alpha", T=T, H=H):
+    """Ordinary inputs: unit keys, beta in [0, 1], alpha in [0.5, 1] (or its log)."""
+    k = rng.standard_normal((B, T, H, D))
+    x = dict(q=rng.standard_normal((B, T, H, D)), k=k / np.linalg.norm(k, axis=-1, keepdims=True),
+             v=rng.standard_normal((B, T, H, D)), beta=rng.uniform(0, 1, (B, T, H)))
+    alpha = rng.uniform(0.5, 1, (B, T, H))
+    x[gate] = alpha if gate == "alpha" else np.log(alpha)
+    return x
+
+
+def _caught(call):
+    """The warnings a call issues, every one (no once-per-line filtering)."""
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        call()
+    return w
+
+
+def _silent(call):
+    """The call issues no warning at all."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call()
+
+
+def _expect(w, words, lineno=None):
+    """Exactly one warning containing ``words``, a UserWarning issued at this file (and line)."""
+    hits = [r for r in w if words in str(r.message)]
+    assert len(hits) == 1, [str(r.message) for r in w]
+    r = hits[0]
+    assert issubclass(r.category, UserWarning)
+    assert r.filename == __file__, (r.filename, str(r.message))
+    if lineno is not None:
+        assert r.lineno == lineno, (r.lineno, lineno)
+    assert "check_values=False turns this warning off" in str(r.message)
+
+
+# The bad inputs, by what the warning names. "big keys": unit-variance keys x 10 with beta in
+# [0, 1], the case that overflows with no warning in gdn_ext 0.x.
+BAD = {
+    "alpha": ("alpha has values outside [0, 1]", lambda x: x.update(alpha=x["alpha"] * 3)),
+    "g": ("g has values above 0", lambda x: x.update(g=x["g"] + 0.5)),
+    "beta": ("beta has values outside [0, 2]", lambda x: x.update(beta=x["beta"] + 4)),
+    "negative beta": ("beta has values outside [0, 2]", lambda x: x.update(beta=-x["beta"])),
+    "big keys": ("beta * ||k||^2 is above 2", lambda x: x.update(k=x["k"] * 10 * math.sqrt(D))),
+}
+
+
+def _bad(name, seed=0):
+    words, change = BAD[name]
+    x = _inputs(np.random.default_rng(seed), gate="g" if name == "g" else "alpha")
+    change(x)
+    return x, words
+
+
+# ---- NumPy --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("api", ["forward", "backward", "step"])
+def test_numpy_big_keys_warn(api):
+    """beta ||k||^2 far above 2 with beta in [0, 1]: the state can grow, and a warning says so;
+    normalize_qk=True makes the keys unit, and then beta in [0, 1] is in range."""
+    x, words = _bad("big keys")
+    q, k, v = x.pop("q"), x.pop("k"), x.pop("v")
+
+    def call(**extra):
+        if api == "forward":
+            return gdn_ext.gated_delta_rule(q, k, v, **x, **extra)
+        if api == "backward":
+            return gdn_ext.gated_delta_rule_backward(v, q, k, v, **x, **extra)
+        return gdn_ext.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], state=None, **extra,
+                                             **{n: a[:, 0] for n, a in x.items()})
+
+    _expect(_caught(call), words)
+    _silent(lambda: call(check_values=False))
+    _silent(lambda: call(normalize_qk=True))          # unit keys in the kernel: in range
+
+
+def test_small_decay_keeps_big_keys_quiet():
+    """alpha (1 - beta ||k||^2) is the transition along k: beta ||k||^2 = 3 with alpha = 0.4
+    shrinks the state (|0.4 * -2| < 1), so no warning; with alpha = 0.6 it grows (1.2): warning.
+    Per-key gates use their largest decay."""
+    rng = np.random.default_rng(2)
+    x = _inputs(rng)
+    x["beta"] = np.full((B, T, H), 0.75)
+    k = x["k"] * 2                                        # ||k||^2 = 4: beta ||k||^2 = 3
+    args = (x["q"], k, x["v"])
+    _silent(lambda: gdn_ext.gated_delta_rule(*args, beta=x["beta"], alpha=np.full((B, T, H), 0.4)))
+    w = _caught(lambda: gdn_ext.gated_delta_rule(*args, beta=x["beta"],
+                                                 alpha=np.full((B, T, H), 0.6)))
+    _expect(w, "beta * ||k||^2 is above 2")
+    per_key = np.full((B, T, H, D), 0.4)
+    _silent(lambda: gdn_ext.gated_delta_rule(*args, beta=x["beta"], alpha=per_key))
+    per_key[0, 3, 1, 2] = 0.6
+    _expect(_caught(lambda: gdn_ext.gated_delta_rule(*args, beta=x["beta"], alpha=per_key)),
+            "beta * ||k||^2 is above 2")
+
+
+def test_single_head_and_grouped_heads_check_the_right_keys():
+    """Single-head form and grouped value heads (HV = 2 H: value head hv reads key head
+    hv // 2): the product pairs each beta with its own key."""
+    rng = np.random.default_rng(3)
+    x = _inputs(rng)
+    # single-head: one big key at (b=1, t=2) with a big beta there only
+    q, k, v = x["q"][:, :, 0], x["k"][:, :, 0].copy(), x["v"][:, :, 0]
+    beta, alpha = x["beta"][:, :, 0].copy(), x["alpha"][:, :, 0]
+    beta[:] = 0.1
+    k[1, 2] *= 5                                         # ||k||^2 = 25, beta = 0.1: 2.5 > 2
+    ones = np.ones_like(alpha)
+    _expect(_caught(lambda: gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=ones)),
+            "beta * ||k||^2 is above 2")
+    beta[1, 2] = 0.01                                    # 0.25: fine
+    _silent(lambda: gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=ones))
+    # grouped: key head 1 is big; value heads 2, 3 read it, 0, 1 do not
+    HV = 2 * H
+    k = x["k"].copy()
+    k[:, :, 1] *= 3                                      # ||k||^2 = 9
+    v = rng.standard_normal((B, T, HV, D))
+    beta = np.full((B, T, HV), 0.1)
+    beta[:, :, :2] = 1.0                                 # big beta on the small keys: 1 <= 2
+    _silent(lambda: gdn_ext.gated_delta_rule(x["q"], k, v, beta=beta, alpha=np.ones((B, T, HV))))
+    beta[:, :, 3] = 1.0                                  # 9 on value head 3 (key head 1)
+    _expect(_caught(lambda: gdn_ext.gated_delta_rule(x["q"], k, v, beta=beta,
+                                                     alpha=np.ones((B, T, HV)))),
+            "beta * ||k||^2 is above 2")
+
+
+def test_linear_attention_takes_any_beta():
+    """delta_rule=False writes beta v k^T: beta only scales the write, nothing diverges from it;
+    no beta warning there (the decay's still stands)."""
+    x, _ = _bad("beta")
+    x["k"] = x["k"] * 10
+    args = (x.pop("q"), x.pop("k"), x.pop("v"))
+    _silent(lambda: gdn_ext.gated_delta_rule(*args, **x, delta_rule=False))
+    x["alpha"] = x["alpha"] * 3
+    _expect(_caught(lambda: gdn_ext.gated_delta_rule(*args, **x, delta_rule=False)),
+            "alpha has values outside [0, 1]")
+
+
+# ---- torch --------------------------------------------------------------------------------------
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _tensors(x, requires_grad=False):
+    torch = _torch()
+    return {n: torch.tensor(a, requires_grad=requires_grad and n in "qkv") for n, a in x.items()}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_torch_function_warns_at_the_callers_line(bad):
+    import gdn_ext.torch as gt
+    x, words = _bad(bad)
+    t = _tensors(x, requires_grad=True)
+    q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
+    w = _caught(lambda: gt.gated_delta_rule(q, k, v, **t))
+    _expect(w, words)
+    _silent(lambda: gt.gated_delta_rule(q, k, v, **t, check_values=False))
+
+
+def test_torch_function_head_first_layout_warns():
+    """[B, H, T, D] tensors (H = 3 heads, T = 8 tokens) passed as [B, T, H, D]: T = 3 < H = 8."""
+    torch = _torch()
+    import gdn_ext.torch as gt
+    q = torch.randn(B, 3, 8, D, dtype=torch.float64)
+    gates = torch.full((B, 3, 8), 0.5, dtype=torch.float64)
+    k = torch.nn.functional.normalize(q, dim=-1)
+    w = _caught(lambda: gt.gated_delta_rule(q, k, q, beta=gates, alpha=gates))
+    _expect(w, "T = 3 < H = 8: if it is head-first")
+    _silent(lambda: gt.gated_delta_rule(q, k, q, beta=gates, alpha=gates, check_values=False))
+    _silent(lambda: gt.gated_delta_rule(q[:, :1], k[:, :1], q[:, :1], beta=gates[:, :1],
+                                        alpha=gates[:, :1]))       # decoding: T = 1
+
+
+def test_torch_ordinary_inputs_are_silent_in_every_form():
+    """Unit keys, beta in [0, 1], alpha in [0.5, 1]: no warning for the plain, single-head,
+    per-key, grouped and packed forms, forward and backward, nor under checkpointing."""
+    torch = _torch()
+    import gdn_ext.torch as gt
+    x = _inputs(np.random.default_rng(4))
+    t = _tensors(x, requires_grad=True)
+    q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
+
+    def run():
+        o, S = gt.gated_delta_rule(q, k, v, **t)
+        (o.sum() + S.sum()).backward()
+        gt.gated_delta_rule(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta=t["beta"][:, :, 0],
+                            alpha=t["alpha"][:, :, 0])
+        gt.gated_delta_rule(q, k, v, beta=t["beta"], alpha=t["alpha"][..., None].expand(B, T, H, D))
+        vv = torch.cat([v, v], 2)
+        gt.gated_delta_rule(q, k, vv, beta=torch.cat([t["beta"]] * 2, 2),
+                            alpha=torch.cat([t["alpha"]] * 2, 2))
+        gt.gated_delta_rule(q[:1], k[:1], v[:1], beta=t["beta"][:1], alpha=t["alpha"][:1],
+                            cu_seqlens=[0, 2, T])
+        torch.utils.checkpoint.checkpoint(
+            lambda a: gt.gated_delta_rule(a, k, v, **t)[0], q, use_reentrant=False).sum().backward()
+    _silent(run)
+
+
+def test_torch_big_keys_warn_through_checkpointing_and_not_while_compiling():
+    """The warning comes from the Python front end before the custom operator runs, so it points
+    at the user's line through torch.utils.checkpoint (forward and recomputation); under
+    torch.compile(fullgraph=True) the checks are skipped and tracing does not break."""
+    torch = _torch()
+    import gdn_ext.torch as gt
+    x, words = _bad("big keys")
+    t = _tensors(x, requires_grad=True)
+    q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
+
+    def layer(a):
+        return gt.gated_delta_rule(a, k, v, **t)[0]      # the user's line
+
+    lineno = layer.__code__.co_firstlineno + 1
+    w = _caught(lambda: torch.utils.checkpoint.checkpoint(layer, q, use_reentrant=False)
+                .sum().backward())
+    hits = [r for r in w if words in str(r.message)]
+    assert len(hits) == 2 and all(r.filename == __file__ and r.lineno == lineno for r in hits)
+
+    compiled = torch.compile(lambda a, b, c, be, al: gt.gated_delta_rule(a, b, c, beta=be,
+                                                                         alpha=al)[0],
+                             fullgraph=True, dynamic=False)
+    args = (q.detach(), k.detach(), v.detach(), t["beta"], t["alpha"])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        o = compiled(*args)
+    assert not [r for r in w if "check_values" in str(r.message)]
+    torch.testing.assert_close(o, gt.gated_delta_rule(*args[:3], beta=args[3], alpha=args[4],
+                                                      check_values=False)[0])
+
+
+# ---- flash-linear-attention drop-ins ------------------------------------------------------------
+
+def _fla(name):
+    import gdn_ext.torch as gt
+    return getattr(gt, name)
+
+
+def _fla_inputs(seed=5, T=T, H=H):
+    torch = _torch()
+    x = _inputs(np.random.default_rng(seed), gate="g", T=T, H=H)
+    t = {n: torch.tensor(a) for n, a in x.items()}
+    return t["q"], t["k"], t["v"], t["g"], t["beta"]
+
+
+FLA = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+
+
+@pytest.mark.parametrize("fn", FLA)
+def test_fla_values_warn_on_what_the_recurrence_sees(fn):
+    torch = _torch()
+    f = _fla(fn)
+    q, k, v, g, beta = _fla_inputs()
+    _silent(lambda: f(q, k, v, g=g, beta=beta))
+    _silent(lambda: f(q, k * 10, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True))
+    cases = [
+        (dict(g=g + 1), "g has values above 0"),
+        (dict(g=g, beta=beta * 5), "beta has values outside [0, 2]"),
+        (dict(g=g, k=k * 10), "beta * ||k||^2 is above 2"),
+        (dict(g=None, gk=g[..., None].expand(B, T, H, D) + 1), "gk has values above 0"),
+    ]
+    if fn == "fused_recurrent_gated_delta_rule":
+        cases.append((dict(g=g, gk=torch.ones(B, T, H, D, dtype=g.dtype)),
+                      "g + gk has values above 0"))
+    for kw, words in cases:
+        kw = {"k": k, "beta": beta, **kw}
+        kk = kw.pop("k")
+        w = _caught(lambda: f(q, kk, v, **kw))
+        _expect(w, words)
+        _silent(lambda: f(q, kk, v, **kw, check_values=False))
+    # gates computed in the kernel are what the recurrence sees: in range whatever the inputs
+    A_log = torch.zeros(H, dtype=g.dtype)
+    _silent(lambda: f(q, k, v, g=g * 100 + 50, beta=beta * 100 - 50, use_gate_in_kernel=True,
+                      A_log=A_log, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True))
+
+
+@pytest.mark.parametrize("fn", FLA)
+def test_fla_head_first_layout_warns(fn):
+    f = _fla(fn)
+    q, k, v, g, beta = _fla_inputs(T=3, H=8)          # [B, H, T, K] read as [B, T, H, K]
+    w = _caught(lambda: f(q, k, v, g=g, beta=beta))
+    _expect(w, "[B, T, H, K] = [2, 3, 8, 4] with T = 3 < H = 8")
+    _silent(lambda: f(q, k, v, g=g, beta=beta, check_values=False))
+    _silent(lambda: f(q[:, :1], k[:, :1], v[:, :1], g=g[:, :1], beta=beta[:, :1]))
+    with pytest.raises(TypeError, match="check_values must be a bool"):
+        f(q, k, v, g=g, beta=beta, check_values="no")
+
+
+def test_torch_layer_short_prompt_is_silent():
+    """GatedDeltaNet with more heads than tokens (a short prompt, then decoding): its gates are
+    in range and its layout fixed, so no warning (it turns the drop-in's checks off)."""
+    torch = _torch()
+    import gdn_ext.torch as gt
+    torch.manual_seed(0)
+    layer = gt.GatedDeltaNet(16, num_k_heads=4, num_v_heads=8, head_k_dim=4, head_v_dim=4,
+                             dtype=torch.float64)
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+
+    def run():
+        y, s = layer(x)
+        layer(x[:, :1], s)[0].sum().backward()
+    _silent(run)
+
+
+# ---- dask ---------------------------------------------------------------------------------------
+
+def _dask():
+    pytest.importorskip("dask")
+    import dask.array as da
+    import gdn_ext.dask as gd
+    return da, gd
+
+
+def _chunked(x):
+    da, _ = _dask()
+    return {n: da.from_array(a, chunks=(1,) + a.shape[1:2] + (1,) + a.shape[3:])
+            for n, a in x.items()}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+@pytest.mark.parametrize("scheduler", ["threads", "sync"])
+def test_dask_values_warn_at_compute_time_at_the_callers_line(bad, scheduler):
+    """Values are unknown when the graph is built: no warning then; computing it warns (from
+    each chunk's values, on dask's threads too), pointing at the line that built the graph."""
+    import dask
+    _, gd = _dask()
+    x, words = _bad(bad)
+    c = _chunked(x)
+    q, k, v = c.pop("q"), c.pop("k"), c.pop("v")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        o, S = gd.gated_delta_rule(q, k, v, **c); line = _lineno()    # noqa: E702
+        grads = gd.gated_delta_rule_backward(o, q, k, v, **c); bline = _lineno()   # noqa: E702
+    assert not w, [str(r.message) for r in w]
+    w = _caught(lambda: dask.compute(o, S, scheduler=scheduler))
+    hits = [r for r in w if words in str(r.message)]
+    assert hits and all(r.filename == __file__ and r.lineno == line for r in hits), \
+        [(r.filename, r.lineno, str(r.message)) for r in w]
+    assert "in a dask chunk" in str(hits[0].message)
+    w = _caught(lambda: dask.compute(grads.dq, scheduler=scheduler))
+    assert any(words in str(r.message) and r.lineno == bline and r.filename == __file__
+               for r in w)
+    o, S = gd.gated_delta_rule(q, k, v, **c, check_values=False)
+    grads = gd.gated_delta_rule_backward(o, q, k, v, **c, check_values=False)
+    _silent(lambda: dask.compute(o, S, grads.dq, scheduler=scheduler))
+
+
+def _lineno():
+    import sys
+    return sys._getframe(1).f_lineno
+
+
+def test_dask_head_first_layout_warns_when_the_graph_is_built():
+    import dask
+    _, gd = _dask()
+    rng = np.random.default_rng(7)
+    x = _inputs(rng, T=3, H=8)
+    c = _chunked(x)
+    q, k, v = c.pop("q"), c.pop("k"), c.pop("v")
+    w = _caught(lambda: gd.gated_delta_rule(q, k, v, **c))
+    _expect(w, "T = 3 < H = 8: if it is head-first")
+    _silent(lambda: dask.compute(*gd.gated_delta_rule(q, k, v, **c, check_values=False)))
+    _silent(lambda: dask.compute(*gd.gated_delta_rule(q[:, :1], k[:, :1], v[:, :1],
+                                                      beta=c["beta"][:, :1],
+                                                      alpha=c["alpha"][:, :1])))
+
+
+def test_dask_ordinary_inputs_are_silent():
+    import dask
+    _, gd = _dask()
+    x = _inputs(np.random.default_rng(8), gate="g")
+    c = _chunked(x)
+    q, k, v = c.pop("q"), c.pop("k"), c.pop("v")
+
+    def run():
+        o, S = gd.gated_delta_rule(q, k, v, **c)
+        g = gd.gated_delta_rule_backward(o, q, k, v, **c)
+        dask.compute(o, S, *g)
+        o, S = gd.gated_delta_rule(q, k * 10, v, **c, normalize_qk=True)
+        dask.compute(o, S)
+    _silent(run)
