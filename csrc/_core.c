@@ -812,31 +812,35 @@ static PyObject *py_isa(PyObject *self, PyObject *noargs)
     return PyUnicode_FromString(gdn_isa());
 }
 
-static PyObject *py_set_call_threads(PyObject *self, PyObject *arg)
+/* A thread count argument, 0 .. INT_MAX (0: OpenMP's default); -1 with an error set if not. */
+static int thread_arg(PyObject *arg)
 {
     long n = PyLong_AsLong(arg);
-    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n == -1 && PyErr_Occurred()) return -1;
     if (n < 0 || n > INT_MAX) {
         PyErr_SetString(PyExc_ValueError, "num_threads must be between 0 and INT_MAX");
-        return NULL;
+        return -1;
     }
+    return (int)n;
+}
+
+static PyObject *py_set_call_threads(PyObject *self, PyObject *arg)
+{
+    const int n = thread_arg(arg);
+    if (n < 0) return NULL;
     int prev = call_threads;
-    call_threads = (int)n;
+    call_threads = n;
     return PyLong_FromLong(prev);
 }
 
 /* _call_begin(n): a call of the checked API starts on this thread, on n threads (0: default) */
 static PyObject *py_call_begin(PyObject *self, PyObject *arg)
 {
-    long n = PyLong_AsLong(arg);
-    if (n == -1 && PyErr_Occurred()) return NULL;
-    if (n < 0 || n > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "num_threads must be between 0 and INT_MAX");
-        return NULL;
-    }
+    const int n = thread_arg(arg);
+    if (n < 0) return NULL;
     const int d = this_call.depth;
     if (d < (int)(sizeof this_call.saved_threads / sizeof(int))) this_call.saved_threads[d] = call_threads;
-    call_threads = (int)n;
+    call_threads = n;
     call_open(1);
     Py_RETURN_NONE;
 }
