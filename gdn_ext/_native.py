@@ -48,8 +48,7 @@ def _warn_at_importer(message, category):
         return
     warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno,
                            module=f.f_globals.get("__name__"),
-                           registry=f.f_globals.setdefault("__warningregistry__", {}),
-                           module_globals=f.f_globals)
+                           registry=f.f_globals.setdefault("__warningregistry__", {}))
 
 
 _problem = isa_request_problem(os.environ.get("GDN_EXT_ISA"), _core.isa())
