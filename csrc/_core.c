@@ -14,6 +14,11 @@
 #include <numpy/arrayobject.h>
 #include <numpy/ufuncobject.h>
 #include "gdn.h"
+#include <fenv.h>
+#if !defined(_WIN32)
+#include <pthread.h>
+#include <signal.h>
+#endif
 
 #if defined(_MSC_VER)
 #define GDN_THREAD_LOCAL __declspec(thread)
@@ -26,12 +31,22 @@
  * without touching omp_set_num_threads (which would override threadpoolctl / OMP_NUM_THREADS). */
 static GDN_THREAD_LOCAL int call_threads = 0;
 
+/* This OS thread's calls (see "calls and Ctrl-C" below). */
+typedef struct {
+    int depth;                /* calls open on this thread (nested only from a signal handler) */
+    int failed;               /* an inner loop of this gufunc call left an error set */
+    gdn_cancel_flag cancel;   /* the main thread's call: set by on_sigint */
+    int saved_threads[8];     /* call_threads before each open call (_call_begin) */
+} call_state;
+static GDN_THREAD_LOCAL call_state this_call;
+
 static void raise_from_loop(PyObject *type, const char *msg)
 {
     NPY_ALLOW_C_API_DEF
     NPY_ALLOW_C_API;
     if (!PyErr_Occurred()) PyErr_SetString(type, msg);
     NPY_DISABLE_C_API;
+    this_call.failed = 1;
 }
 
 /* Workspace for nt threads; NULL (with MemoryError set) on failure or size_t overflow. */
@@ -126,9 +141,6 @@ static int check_packed(const char *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, npy_intp
  * threads are gone but the runtime does not know it: a parallel region with more than one thread
  * never returns. A child therefore runs every call on one thread. */
 static volatile int forked_child = 0;
-#if !defined(_WIN32)
-static void after_fork_in_child(void) { forked_child = 1; }
-#endif
 
 /* Threads for a call over `items` work items: one in a forked child; this OS thread's request
  * (call_threads), else OpenMP's default under the busy-machine cap (gdn_capped_threads). */
@@ -225,91 +237,180 @@ static void free_copies(void **tmp, int n)
     for (int i = 0; i < n; i++) PyMem_RawFree(tmp[i]);
 }
 
-/* ---- Ctrl-C during long calls --------------------------------------------------------------
- * While a call of at least GDN_WATCH_MIN_WORK multiply-adds runs, a SIGINT handler sets
- * gdn_cancel_requested (the kernels stop within a block of tokens) and passes the signal on to
- * the handler it replaced (Python's, which then raises KeyboardInterrupt). POSIX only. */
-#define GDN_WATCH_MIN_WORK 1e7
+/* ---- calls and Ctrl-C ---------------------------------------------------------------------
+ * A call is one gufunc call: the checked API opens it around the ufunc (_call_begin / _call_end),
+ * so that it spans NumPy's casts and every inner-loop call (NumPy calls the inner loop once per
+ * outer row, B times for a [B, H, ...] view); a bare gufunc call opens one per inner-loop call.
+ *
+ * Ctrl-C belongs to the main thread, where Python runs its signal handlers. While the main thread
+ * is in a call, on_sigint sits in front of the SIGINT handler it found (Python's): it passes the
+ * signal on, then sets that call's flag, and the kernels stop within a block of tokens (forward)
+ * or a segment (backward). The main thread then runs Python's handler (PyErr_CheckSignals): if it
+ * raises (KeyboardInterrupt), the call fails and its half-written outputs are dropped with it; if
+ * it does not, the kernel runs again from its unchanged inputs and the call completes. Calls on
+ * other threads are never cut short (they complete, as NumPy's own do), and a call that writes
+ * its state in place (S_0 is S_T's memory) always completes, the signal then raising after it.
+ * When the call ends, SIGINT's disposition is put back unless a handler replaced ours meanwhile.
+ * POSIX only: on Windows a call runs to its end and Python raises after it. */
+static unsigned long main_ident;   /* Python's main thread (after a fork: the forking thread) */
+
+static int on_main_thread(void) { return PyThread_get_thread_ident() == main_ident; }
+
 #if !defined(_WIN32)
-#include <pthread.h>
-static pthread_mutex_t watch_lock = PTHREAD_MUTEX_INITIALIZER;
-static int watchers = 0;
-static struct sigaction replaced;
+static struct sigaction replaced;               /* the disposition on_sigint stands in front of */
+static volatile sig_atomic_t armed = 0;         /* on_sigint installed by this module */
+static gdn_cancel_flag *volatile main_flag;     /* the flag of the main thread's open call */
 
 static void on_sigint(int sig, siginfo_t *info, void *context)
 {
-    gdn_cancel_requested = 1;
+    /* Python's handler first: it has recorded the signal by the time the kernels stop */
     if (replaced.sa_flags & SA_SIGINFO) {
         if (replaced.sa_sigaction != NULL) replaced.sa_sigaction(sig, info, context);
     } else if (replaced.sa_handler != SIG_DFL && replaced.sa_handler != SIG_IGN) {
         replaced.sa_handler(sig);
     }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    gdn_cancel_flag *f = main_flag;
+    if (f != NULL) *f = 1;
 }
 
-/* 1 if this call now watches for SIGINT (undo with unwatch_interrupts), else 0. */
-static int watch_interrupts(double work)
+static int is_ours(const struct sigaction *sa)
 {
-    if (work < GDN_WATCH_MIN_WORK) return 0;
-    int on = 0;
-    pthread_mutex_lock(&watch_lock);
-    if (watchers > 0) {
-        on = 1;
-    } else {
-        struct sigaction current;
-        /* a handler to pass the signal to (Python's); with the default action Ctrl-C kills */
-        if (sigaction(SIGINT, NULL, &current) == 0 && (current.sa_flags & SA_SIGINFO
-                || (current.sa_handler != SIG_DFL && current.sa_handler != SIG_IGN))) {
-            struct sigaction sa;
-            memset(&sa, 0, sizeof sa);
-            sa.sa_sigaction = on_sigint;
-            sa.sa_flags = SA_SIGINFO | (current.sa_flags & (SA_ONSTACK | SA_RESTART));
-            sigemptyset(&sa.sa_mask);
-            gdn_cancel_requested = 0;
-            on = sigaction(SIGINT, &sa, &replaced) == 0;
-        }
+    return (sa->sa_flags & SA_SIGINFO) && sa->sa_sigaction == on_sigint;
+}
+
+/* on_sigint in front of the current handler, unless it is there already or there is no handler
+ * to pass the signal to (SIG_DFL: Ctrl-C kills the process; SIG_IGN). Main thread only. */
+static void arm(void)
+{
+    struct sigaction cur;
+    if (sigaction(SIGINT, NULL, &cur) != 0) return;
+    if (is_ours(&cur)) {
+        armed = 1;
+        return;
     }
-    watchers += on;
-    pthread_mutex_unlock(&watch_lock);
-    return on;
+    if (!(cur.sa_flags & SA_SIGINFO) && (cur.sa_handler == SIG_DFL || cur.sa_handler == SIG_IGN))
+        return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigint;
+    sa.sa_flags = SA_SIGINFO | (cur.sa_flags & (SA_ONSTACK | SA_RESTART));
+    sigemptyset(&sa.sa_mask);
+    replaced = cur;
+    if (sigaction(SIGINT, &sa, NULL) == 0) armed = 1;
 }
 
-/* Stops watching; 1 if a SIGINT arrived while this call ran. */
-static int unwatch_interrupts(void)
+/* The replaced handler back, if on_sigint is still installed (a handler that Python code set
+ * meanwhile, from a signal handler, stays). */
+static void disarm(void)
 {
-    pthread_mutex_lock(&watch_lock);
-    const int hit = gdn_cancel_requested != 0;
-    if (--watchers == 0) {
+    struct sigaction cur;
+    if (armed && sigaction(SIGINT, NULL, &cur) == 0 && is_ours(&cur))
         sigaction(SIGINT, &replaced, NULL);
-        gdn_cancel_requested = 0;
-    }
-    pthread_mutex_unlock(&watch_lock);
-    return hit;
+    armed = 0;
+}
+
+/* In a fork() child the forking thread is the main thread, and no call is open: a handler the
+ * parent's main thread had armed for its call is put back (the child never ends that call). */
+static void after_fork_in_child(void)
+{
+    forked_child = 1;
+    main_ident = PyThread_get_thread_ident();
+    main_flag = NULL;
+    disarm();
 }
 #else
-static int watch_interrupts(double work) { (void)work; return 0; }
-static int unwatch_interrupts(void) { return 0; }
+static void arm(void) {}
+static void disarm(void) {}
 #endif
 
-/* After an interrupted call: Python's handler raises KeyboardInterrupt (main thread), or it is
- * raised here (another thread), so that NumPy returns the error, not the half-written outputs. */
-static void raise_interrupt(void)
+/* Opens a call on this thread; the main thread's outermost one watches for Ctrl-C. */
+static void call_open(int explicit_call)
 {
+    if (this_call.depth++ > 0) return;
+    if (explicit_call) this_call.failed = 0;
+    this_call.cancel = 0;
+#if !defined(_WIN32)
+    if (on_main_thread()) {
+        main_flag = &this_call.cancel;
+        arm();
+    }
+#endif
+}
+
+static void call_close(void)
+{
+    if (this_call.depth == 0 || --this_call.depth > 0) return;
+#if !defined(_WIN32)
+    if (main_flag == &this_call.cancel) {
+        disarm();
+        main_flag = NULL;
+    }
+#endif
+}
+
+/* The Ctrl-C flag for this thread's kernel run; NULL: it runs to the end. */
+static gdn_cancel_flag *call_flag(void)
+{
+#if !defined(_WIN32)
+    if (main_flag == &this_call.cancel) return &this_call.cancel;
+#endif
+    return NULL;
+}
+
+/* After a SIGINT stopped (or was about to start) a kernel run: Python's handlers run here.
+ * -1: one raised (the error is set; the call fails); 1: none raised, run the kernel again. */
+static int after_interrupt(void)
+{
+    int r;
+    this_call.cancel = 0;   /* first: a signal during the handler stops the next run */
     NPY_ALLOW_C_API_DEF
     NPY_ALLOW_C_API;
-    if (!PyErr_Occurred() && PyErr_CheckSignals() == 0 && !PyErr_Occurred())
-        PyErr_SetString(PyExc_KeyboardInterrupt, "gdn_ext: interrupted");
+    r = PyErr_CheckSignals();
+    if (r == 0) arm();      /* the handler may have set another one (signal.signal) */
     NPY_DISABLE_C_API;
+    if (r < 0) {
+        this_call.failed = 1;
+        /* NumPy would report these flags by calling Python with the error set */
+        feclearexcept(FE_ALL_EXCEPT);
+        return -1;
+    }
+    return 1;
+}
+
+/* Whether this inner-loop call is to return at once: an earlier one of the same gufunc call left
+ * an error set (NumPy goes on calling the inner loop; the results are dropped anyway). */
+static int skip_loop(void)
+{
+    if (!this_call.failed) return 0;
+    if (this_call.depth > 0) return 1;   /* an explicit call: failed was cleared when it opened */
+    int pending;
+    NPY_ALLOW_C_API_DEF
+    NPY_ALLOW_C_API;
+    pending = PyErr_Occurred() != NULL;
+    NPY_DISABLE_C_API;
+    if (!pending) this_call.failed = 0;   /* a new bare gufunc call */
+    return pending;
 }
 
 /* Runs the kernel over nt threads' workspace of len elements each (NULL workspace: error set),
- * watching for Ctrl-C when the call does `work` multiply-adds or more; frees the input copies. */
-#define RUN_WITH_WORKSPACE(REAL, nt, len, work, tmp, ntmp, call)                                 \
+ * as the main thread's call asks: stopped by Ctrl-C (unless `inplace`: S_0 is S_T's memory, so a
+ * second run would start from a half-updated state) and then dropped or run again; frees the
+ * input copies. */
+#define RUN_WITH_WORKSPACE(REAL, nt, len, inplace, tmp, ntmp, call)                              \
     do {                                                                                         \
         REAL *ws = alloc_workspace(nt, len, sizeof(REAL));                                       \
         if (ws != NULL) {                                                                        \
-            const int watching = watch_interrupts(work);                                         \
-            call;                                                                                \
-            if (watching && unwatch_interrupts()) raise_interrupt();                             \
+            const int bare = this_call.depth == 0;                                               \
+            if (bare) call_open(0);                                                              \
+            sz.cancel = (inplace) ? NULL : call_flag();                                          \
+            int again = 1;                                                                       \
+            if (GDN_CANCELLED(sz.cancel)) again = after_interrupt();   /* during the casts */    \
+            while (again == 1) {                                                                 \
+                call;                                                                            \
+                again = GDN_CANCELLED(sz.cancel) ? after_interrupt() : 0;                        \
+            }                                                                                    \
+            if (bare) call_close();                                                              \
             PyMem_RawFree(ws);                                                                   \
         }                                                                                        \
         free_copies(tmp, ntmp);                                                                  \
@@ -326,6 +427,7 @@ static void raise_interrupt(void)
 #define DEFINE_FWD_LOOPS(SUF, REAL)                                                              \
 static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
 {                                                                                                \
+    if (skip_loop()) return;                                                                     \
     enum { Q, K, V, A, B, S0, SC, O, ST, CK };                                                   \
     static const int nd[] = {2, 2, 2, 1, 1, 2, 0, 2, 2, 3};                                     \
     const size_t is[] = {sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL),  \
@@ -340,7 +442,7 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     memcpy(argv, args, (size_t)(9 + ck) * sizeof(char *));                                       \
     args = argv;                                                                                 \
     if (unalias_inputs(args, p, nd, cd, is, dims, 7, 9 + ck, S0, ST, tmp) < 0) return;          \
-    const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[2], .Dv = dims[3],     \
+    gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[2], .Dv = dims[3],     \
                           .max_len = dims[1], .dalpha_summed = 1};                               \
     const gdn_fwd_strides st = {                                                                 \
         .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
@@ -358,8 +460,7 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
     const REAL no = 0;                                                                           \
     const int nt = TEAM(gdn_fwd_items(sz.N, sz.Dv));                                           \
-    const double work = (double)sz.N * (double)sz.T * (double)sz.Dk * (double)sz.Dv;            \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(sz.T, sz.Dk, sz.Dv), work, tmp, 7,        \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(sz.T, sz.Dk, sz.Dv), args[S0] == args[ST], tmp, 7,        \
         gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
                           (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
                           (const REAL *)args[A], (const REAL *)args[B], (const REAL *)args[S0],  \
@@ -369,6 +470,7 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
 static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,         \
                                void *data)                                                       \
 {                                                                                                \
+    if (skip_loop()) return;                                                                     \
     enum { Q, K, V, A, B, S0, SC, NQ, CU, NIN };                                                 \
     const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0;                                      \
     const int dr = (LOOP_FLAGS(data) & GDN_WITH_RULE) != 0;                                      \
@@ -407,11 +509,10 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         free_copies(tmp, nin);                                                                   \
         return;                                                                                  \
     }                                                                                            \
-    const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[2],              \
+    gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[2],              \
                           .Dv = dims[3], .max_len = max_len, .dalpha_summed = 0};                \
     const int nt = TEAM(gdn_fwd_items(sz.N * sz.NS, sz.Dv));                                   \
-    const double work = (double)sz.N * (double)sz.T * (double)sz.Dk * (double)sz.Dv;            \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv), work, tmp, nin,   \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv), args[S0] == args[ST], tmp, nin,   \
         gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
                           (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
                           (const REAL *)args[A], (const REAL *)args[B], (const REAL *)args[S0],  \
@@ -433,6 +534,7 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
 #define DEFINE_BWD_LOOPS(SUF, REAL)                                                              \
 static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
 {                                                                                                \
+    if (skip_loop()) return;                                                                     \
     enum { DO, Q, K, V, A, B, S0, DST, SC, NIN };                                                \
     const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0, CK = NIN, DQ = NIN + ck, DK = DQ + 1, DV = DQ + 2, DA = DQ + 3, \
               DB = DQ + 4, DS0 = DQ + 5;                                                         \
@@ -456,7 +558,7 @@ static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     if (unalias_inputs(args, p, nd, (const int (*)[4])cd, is, dims, NIN + ck, DS0 + 1, -1, -1,  \
                        tmp) < 0)                                                                 \
         return;                                                                                  \
-    const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[3], .Dv = dims[2],     \
+    gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[3], .Dv = dims[2],     \
                           .max_len = dims[1], .dalpha_summed = 1};                               \
     const op_strides none = {0};                                                                 \
     const op_strides *c = ck ? &p[CK] : &none;                                                   \
@@ -482,8 +584,7 @@ static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
     const REAL no = 0;                                                                           \
     const int nt = TEAM(gdn_bwd_items(sz.N, sz.Dv));                                           \
-    const double work = (double)sz.N * (double)sz.T * (double)sz.Dk * (double)sz.Dv;            \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv), work, tmp, NIN + ck, \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv), 0, tmp, NIN + ck, \
         gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
                            (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
                            (const REAL *)args[DO], (const REAL *)args[Q], (const REAL *)args[K], \
@@ -496,6 +597,7 @@ static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
 static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,         \
                                void *data)                                                       \
 {                                                                                                \
+    if (skip_loop()) return;                                                                     \
     enum { DO, Q, K, V, A, B, S0, DST, SC, NQ, CU, NIN };                                        \
     const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0;                                      \
     const int dr = (LOOP_FLAGS(data) & GDN_WITH_RULE) != 0;                                      \
@@ -548,11 +650,10 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         free_copies(tmp, nin);                                                                   \
         return;                                                                                  \
     }                                                                                            \
-    const gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[3],              \
+    gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[3],              \
                           .Dv = dims[2], .max_len = max_len, .dalpha_summed = 0};                \
     const int nt = TEAM(gdn_bwd_items(sz.N * sz.NS, sz.Dv));                                   \
-    const double work = (double)sz.N * (double)sz.T * (double)sz.Dk * (double)sz.Dv;            \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv), work, tmp, nin,   \
+    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv), 0, tmp, nin,   \
         gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
                            (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
                            (const REAL *)args[DO], (const REAL *)args[Q], (const REAL *)args[K], \
@@ -724,6 +825,33 @@ static PyObject *py_set_call_threads(PyObject *self, PyObject *arg)
     return PyLong_FromLong(prev);
 }
 
+/* _call_begin(n): a call of the checked API starts on this thread, on n threads (0: default) */
+static PyObject *py_call_begin(PyObject *self, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || n > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "num_threads must be between 0 and INT_MAX");
+        return NULL;
+    }
+    const int d = this_call.depth;
+    if (d < (int)(sizeof this_call.saved_threads / sizeof(int))) this_call.saved_threads[d] = call_threads;
+    call_threads = (int)n;
+    call_open(1);
+    Py_RETURN_NONE;
+}
+
+/* _call_end(): it ended (a no-op when none is open) */
+static PyObject *py_call_end(PyObject *self, PyObject *unused)
+{
+    if (this_call.depth > 0) {
+        const int d = this_call.depth - 1;
+        if (d < (int)(sizeof this_call.saved_threads / sizeof(int))) call_threads = this_call.saved_threads[d];
+        call_close();
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_threads_for(PyObject *self, PyObject *arg)
 {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
@@ -801,6 +929,11 @@ static PyMethodDef methods[] = {
      "isa() -> 'generic' | 'avx2' | 'avx512': the instruction set the kernels were picked for."},
     {"_set_call_threads", py_set_call_threads, METH_O,
      "_set_call_threads(n) -> previous: threads for gufunc calls from this OS thread (0: default)."},
+    {"_call_begin", py_call_begin, METH_O,
+     "_call_begin(n): a checked call starts on this thread, on n threads (0: default); it spans\n"
+     "the gufunc call's casts and inner loops and, on the main thread, watches for Ctrl-C.\n"
+     "Pair with _call_end() in a finally clause."},
+    {"_call_end", py_call_end, METH_NOARGS, "_call_end(): the call started by _call_begin ended."},
     {"_threads_for", py_threads_for, METH_O,
      "_threads_for(N) -> threads a call over N (sequence, head) pairs would use now."},
     {"checkpoint_interval", py_checkpoint_interval, METH_O,
@@ -819,6 +952,16 @@ static int core_exec(PyObject *m)
 {
     if (_import_array() < 0 || _import_umath() < 0) return -1;
     gdn_init();
+    /* Python runs signal handlers on its main thread: Ctrl-C interrupts that thread's calls */
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL) : NULL;
+    PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
+    Py_XDECREF(threading);
+    Py_XDECREF(main);
+    if (ident == NULL) return -1;
+    main_ident = PyLong_AsUnsignedLong(ident);
+    Py_DECREF(ident);
+    if (main_ident == (unsigned long)-1 && PyErr_Occurred()) return -1;
 #if !defined(_WIN32)
     static int registered = 0;
     if (!registered && pthread_atfork(NULL, NULL, after_fork_in_child) == 0) registered = 1;

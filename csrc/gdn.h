@@ -96,12 +96,21 @@ typedef struct {
     ptrdiff_t ck_n, ck_s, ck_c, ck_v, ck_k;  /* checkpoints [N, NS, NCK, Dv, Dk] (optional) */
 } gdn_bwd_strides;
 
+/* Cancellation of one call (Ctrl-C): a flag of the caller's that its SIGINT handler sets. The
+ * kernels poll it between blocks of tokens (forward) and segments (backward) and return early,
+ * leaving the outputs half-written: the caller must drop them (or run the call again). Each call
+ * has its own flag, so one call's cancellation never cuts another short; NULL: runs to the end. */
+#include <signal.h>
+typedef volatile sig_atomic_t gdn_cancel_flag;
+#define GDN_CANCELLED(flag) ((flag) != NULL && *(flag) != 0)
+
 /* Sizes of one call: N loop elements, each T tokens holding NS packed sequences whose boundaries
  * are cu_seqlens (NS = 1, cu_seqlens = {0, T} for an unpacked batch). */
 typedef struct {
     ptrdiff_t N, T, NS, Dk, Dv;
     ptrdiff_t max_len;   /* the longest packed sequence (cu_seqlens already checked) */
     int dalpha_summed;   /* scalar gate: the backward writes dalpha[t] = sum_j dalpha[t, j] */
+    gdn_cancel_flag *cancel;   /* this call's Ctrl-C flag, NULL: none (see GDN_CANCELLED) */
 } gdn_sizes;
 
 /* State rows updated together by the backward kernel (its state rows are padded to a multiple). */
@@ -144,12 +153,6 @@ ptrdiff_t gdn_fwd_block(ptrdiff_t T);   /* min(T, GDN_FWD_BLOCK), at least 1 */
 ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T);
 /* Checkpoints of a T-step sequence: ceil(T / C), 0 for T = 0 (never falls as T grows). */
 ptrdiff_t gdn_checkpoint_count(ptrdiff_t T);
-
-/* Set (to 1) by the extension's SIGINT handler while a long call runs: the kernels stop at the
- * next block of tokens (forward) or segment (backward) and return early; the caller then raises
- * KeyboardInterrupt and drops the half-written outputs. Reset when a call starts watching. */
-#include <signal.h>
-extern volatile sig_atomic_t gdn_cancel_requested;
 
 /* Workspace, in elements, that one thread needs for one sequence of at most T tokens; SIZE_MAX
  * if that would overflow size_t. */

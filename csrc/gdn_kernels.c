@@ -73,8 +73,6 @@ ptrdiff_t gdn_checkpoint_interval(ptrdiff_t T)
     return C;
 }
 
-volatile sig_atomic_t gdn_cancel_requested = 0;
-
 ptrdiff_t gdn_checkpoint_count(ptrdiff_t T)
 {
     return T > 0 ? (T + gdn_checkpoint_interval(T) - 1) / gdn_checkpoint_interval(T) : 0;

@@ -60,15 +60,18 @@ def real_scalar(x, name):
     return f
 
 
-# The thread count set by gdn_ext.threads(n) for the current thread (and asyncio task); 0: none.
-context_threads = contextvars.ContextVar("gdn_ext_threads", default=0)
+# The thread counts of the gdn_ext.threads(n) blocks open in the current thread (and asyncio
+# task), innermost last (0: OpenMP's default): a tuple, so that a shared threads object keeps no
+# per-thread state of its own.
+context_threads = contextvars.ContextVar("gdn_ext_threads", default=())
 
 
 def thread_count(num_threads):
     """None -> gdn_ext.threads(n)'s n when inside one, else 0 (OpenMP's default:
     OMP_NUM_THREADS / threadpoolctl); else a positive int."""
     if num_threads is None:
-        return context_threads.get()
+        stack = context_threads.get()
+        return stack[-1] if stack else 0
     if isinstance(num_threads, bool):
         raise TypeError("num_threads must be None or a positive int; got a bool")
     try:
@@ -108,6 +111,38 @@ def compute_dtype(arrays):
     if dtypes <= {f32}:
         return f32
     return f32 if all(np.can_cast(d, f32, "safe") for d in dtypes) else np.dtype(np.float64)
+
+
+# Elements converted per piece by `converted`: a few milliseconds of work.
+_PIECE = 1 << 21
+
+
+def converted(a, dtype, fn=None):
+    """``fn(a)`` (or ``a``) as ``dtype``, computed piece by piece along ``a``'s leading axes.
+
+    NumPy converts a whole array in one C call, with no check for signals; one conversion of a
+    large input (float32 to float64: seconds) would delay Ctrl-C until it ends. Between pieces
+    Python handles signals, so a KeyboardInterrupt comes within a piece. ``a`` is returned as it
+    is when it already has ``dtype`` and there is no ``fn``."""
+    dtype = np.dtype(dtype)
+    if fn is None and a.dtype == dtype:
+        return a
+    if a.size <= _PIECE:
+        return (a if fn is None else fn(a.astype(dtype, copy=False))).astype(dtype, copy=False)
+    # the first axis whose trailing block fits in a piece; steps of several of its entries
+    axis, block = a.ndim - 1, 1
+    while axis > 0 and block * a.shape[axis] <= _PIECE:
+        block *= a.shape[axis]
+        axis -= 1
+    block_axis = a.shape[axis + 1:] if axis + 1 < a.ndim else ()
+    step = max(1, _PIECE // max(1, int(np.prod(block_axis, dtype=np.int64))))
+    out = np.empty(a.shape, dtype)
+    for lead in np.ndindex(*a.shape[:axis]):
+        for s in range(0, a.shape[axis], step):
+            sl = lead + (slice(s, s + step),)
+            piece = a[sl]
+            out[sl] = piece if fn is None else fn(piece.astype(dtype, copy=False))
+    return out
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))

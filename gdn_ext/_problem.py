@@ -14,7 +14,8 @@ states carry a sequence axis NS (1 unless packed).
 import numpy as np
 
 from ._native import _core
-from ._checks import as_real_array, compute_dtype, expect_shape, flag, fmt, real_scalar, warn
+from ._checks import (as_real_array, compute_dtype, converted, expect_shape, flag, fmt,
+                      real_scalar, warn)
 
 __all__ = []
 
@@ -232,10 +233,15 @@ class _Problem:
         (the gate as alpha = exp(g) when given as g; a scalar gate broadcast over the keys for
         the general ufunc, which reads [.., T, Dk])."""
         B, T, HV, Dk = self.B, self.T, self.HV, self.Dk
+        # converted here, not by the ufunc: in pieces, so that Ctrl-C is not held up
+        q, k, v, beta = (converted(a, self.dtype) for a in (q, k, v, beta))
+        s0 = None if s0 is None else converted(s0, self.dtype)
         self.q, self.k = self.qk_view(q), self.qk_view(k)
         self.v = self.seq_view(v.reshape(B, T, HV, self.Dv))
         if self.gate_name == "g":
-            gate = np.exp(gate.astype(self.dtype, copy=False))
+            gate = converted(gate, self.dtype, np.exp)
+        else:
+            gate = converted(gate, self.dtype)
         gate = gate.reshape((B, T, HV, Dk) if self.per_key else (B, T, HV))
         self.alpha = self.seq_view(gate) if self.per_key else self.head_view(gate)
         if self.general and not self.per_key:

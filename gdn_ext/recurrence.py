@@ -11,8 +11,8 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._native import _core
-from ._checks import (as_real_array, context_threads, expect_shape, flag, sequence_length,
-                      thread_count, warn)
+from ._checks import (as_real_array, context_threads, converted, expect_shape, flag,
+                      sequence_length, thread_count, warn)
 from ._problem import _Problem
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, StepResult
 
@@ -33,20 +33,35 @@ class threads:
     block. Other Python threads, and dask tasks (which run in other threads), are not affected:
     give ``gdn_ext.dask`` its ``num_threads``. Composes with ``threadpoolctl.threadpool_limits``
     (which limits NumPy's BLAS and the OpenMP default) by taking precedence over it for gdn_ext.
-    Raises TypeError / ValueError for an n that is not None or a positive int (when made). The
-    same object may be entered again, also nested."""
+
+    The object holds only ``n``: one object (say a module-level ``TWO = gdn_ext.threads(2)``) may
+    be entered from several threads and asyncio tasks at once, nested, and again; it pickles and
+    copies as its ``n``. What a block restores on exit lives in the thread's (or task's) context.
+    Raises TypeError / ValueError for an n that is not None or a positive int (when made), and
+    RuntimeError when a block exits in a context where it was not entered."""
+
+    __slots__ = ("n",)
 
     def __init__(self, n: Optional[int]):
         self.n = 0 if n is None else thread_count(n)
-        self._tokens = []
 
     def __enter__(self):
-        self._tokens.append(context_threads.set(self.n))
+        context_threads.set(context_threads.get() + (self.n,))
         return self
 
     def __exit__(self, *exc):
-        context_threads.reset(self._tokens.pop())
+        stack = context_threads.get()
+        if not stack or stack[-1] != self.n:
+            raise RuntimeError("gdn_ext.threads: exit without a matching enter in this thread "
+                               "or task")
+        context_threads.set(stack[:-1])
         return False
+
+    def __reduce__(self):
+        return (threads, (self.n or None,))
+
+    def __repr__(self):
+        return f"gdn_ext.threads({self.n or None})"
 
 
 def openmp_enabled() -> bool:
@@ -66,10 +81,12 @@ def checkpoint_interval(T: int) -> int:
 
 
 def _call(ufunc, args, out, num_threads):
-    """Run a gufunc; NumPy's floating-point warnings (errstate "warn") are issued at the
-    caller's line instead of this one."""
-    prev = _core._set_call_threads(num_threads)
+    """Run a gufunc as one call (its casts and all its inner-loop calls; Ctrl-C on the main
+    thread stops it as a whole); NumPy's floating-point warnings (errstate "warn") are issued at
+    the caller's line instead of this one."""
     try:
+        # inside the try: a KeyboardInterrupt right after it returns still ends the call
+        _core._call_begin(num_threads)
         err = np.geterr()
         modes = set(err.values())
         if "warn" in modes and not modes & {"call", "log"}:
@@ -80,7 +97,7 @@ def _call(ufunc, args, out, num_threads):
         else:
             ufunc(*args, out=out, dtype=out[0].dtype, casting="same_kind")
     finally:
-        _core._set_call_threads(prev)
+        _core._call_end()
 
 
 def _forward(p, num_threads, checkpoints=False):
@@ -281,7 +298,8 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
                  extra=[do] + ([dST] if dST is not None else []), check_values=check_values,
                  delta_rule=delta_rule)
-    do_k, dST_k = _checked_output_grads(p, do, dST)
+    do_k, dST_k = _checked_output_grads(p, converted(do, p.dtype),
+                                        None if dST is None else converted(dST, p.dtype))
     args = (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args()
     if checkpoints is None:
         ufunc = p.ufunc("bwd")

@@ -138,17 +138,19 @@ def _prepare(q, k, v, beta, alpha, g, initial_state, normalize_qk, extra=()):
     """Float arrays in the multi-head layout, gate as alpha, q and k repeated per value head
     (normalised when asked), and what is needed to undo each step in the backward."""
     gate_in = alpha if g is None else g
+    beta_shape = np.shape(beta)               # the gradients come back in the inputs' shapes
     arrays = [q, k, v, beta, gate_in] + list(extra)
     if initial_state is not None:
         arrays.append(initial_state)
     dt = np.result_type(np.float32, *(np.asarray(a) for a in arrays))
     single, q, k, v, beta, gate, S0 = _as_multihead(q, k, v, beta, gate_in, initial_state, dt)
     alpha = gate if g is None else np.exp(gate)
-    G = v.shape[2] // q.shape[2]              # value heads per query/key head
+    # value heads per query/key head (H = HV = 0: no heads, nothing to repeat)
+    G = v.shape[2] // q.shape[2] if q.shape[2] else 1
     qn, kn = (l2norm(q), l2norm(k)) if normalize_qk else (q, k)
     q_rep, k_rep = np.repeat(qn, G, axis=2), np.repeat(kn, G, axis=2)
     return dict(dt=dt, single=single, q=q, k=k, v=v, beta=beta, alpha=alpha, S0=S0, G=G,
-                q_rep=q_rep, k_rep=k_rep, gate_shape=np.shape(gate_in), beta_shape=np.shape(beta))
+                q_rep=q_rep, k_rep=k_rep, gate_shape=np.shape(gate_in), beta_shape=beta_shape)
 
 
 def _sequences(T, cu_seqlens):
@@ -198,7 +200,8 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
                               delta_rule: bool = True,
                               ) -> Union[GatedDeltaRuleGrads, GatedDeltaRuleGradsG]:
     """Backward pass over time (README, "The backward pass") of :func:`gated_delta_rule`, keeping
-    every state. Returns the same named tuple as :func:`gdn_ext.gated_delta_rule_backward`."""
+    every state. Returns the same named tuple as :func:`gdn_ext.gated_delta_rule_backward`, each
+    gradient in its input's shape (a single-head beta [B, T] gives dbeta [B, T])."""
     P = _prepare(q, k, v, beta, alpha, g, initial_state, normalize_qk, extra=(do,))
     dt, v, beta, alpha, G = P["dt"], P["v"], P["beta"], P["alpha"], P["G"]
     do = np.asarray(do, dt)

@@ -137,6 +137,46 @@ def test_fork_after_a_parallel_call():
         assert child[1:] == parent[1:]
 
 
+_FORK_AFTER_TORCH = r"""
+import os, signal, sys
+import numpy as np
+import torch
+torch.set_num_threads(2)
+x = torch.randn(4_000_000)
+for _ in range(3):
+    (x * 2).sin().sum()                 # torch's parallel regions: OpenMP's team now exists
+assert len(os.listdir("/proc/self/task")) >= 2, "no OpenMP worker threads in the parent"
+import gdn_ext                          # imported after torch's parallel work, before the fork
+from test_reliability import _child_work as work
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)                    # a hang ends the child instead of the test run
+    os.write(write, repr(work(0)).encode())
+    os._exit(0)
+os.close(write)
+got = os.read(read, 4096).decode()
+_, status = os.waitpid(pid, 0)
+print(status, got, repr(work(0)), sep="\n")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not gdn_ext.openmp_enabled(),
+                    reason="fork, /proc and OpenMP")
+def test_fork_after_torch_parallel_work_with_gdn_ext_imported_in_the_parent():
+    """The README's fork promise: gdn_ext imported in the parent (here after torch ran parallel
+    regions, before the fork) -- a forked child's multi-threaded call completes on one thread
+    with the parent's numbers."""
+    pytest.importorskip("torch")
+    r = run_python(_FORK_AFTER_TORCH, timeout=240)
+    assert r.returncode == 0, r.stderr
+    status, child, parent = r.stdout.splitlines()[-3:]
+    assert status == "0"                # not killed by the alarm
+    child, parent = eval(child), eval(parent)
+    assert child[0] and not parent[0]   # the child knew it was forked
+    assert child[1:] == parent[1:]
+
+
 # ---- floating-point flags -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -50,11 +50,22 @@ class GatedDeltaNet(nn.Module):
 
     ``forward(x, state=None, attention_mask=None)``: x [B, T, D]; state a
     :class:`GatedDeltaNetState` from the previous call (None: zeros, the start of a sequence);
-    attention_mask [B, T] of 0 / 1 zeroes padded tokens' inputs (transformers' convention).
-    Returns (y [B, T, D], the new state). Feeding a sequence in pieces (prefill, then one token at
-    a time) gives what one call gives, up to rounding. Gradients reach x and every parameter.
+    attention_mask [B, T], bool or numbers 0 / 1 (1: a real token, 0: padding; transformers'
+    convention). Returns (y [B, T, D], the new state). Feeding a sequence in pieces (prefill, then
+    one token at a time) gives what one call gives, up to rounding. Gradients reach x and every
+    parameter.
+
+    Padding is neutral: a masked token changes neither the recurrent nor the convolution state,
+    wherever it sits (left, right, between real tokens; in a prefill, a continuation from a
+    carried state, or a decode step of a finished row). Each row's outputs at its real tokens and
+    its returned state are those of that row's real tokens alone, unpadded (up to rounding): the
+    convolution of a real token reads the previous real tokens of its row (the carried ``conv``
+    first), and a masked token is an identity step of the recurrence (decay 1, beta 0). y is zero
+    at masked positions, whatever x holds there (NaN included), and no gradient flows back from
+    them. An attention_mask of all ones runs the unmasked path (outside torch.compile).
+
     Raises ValueError for an x that is not [B, T, D], a state of the wrong shapes, an
-    attention_mask that is not [B, T], an unknown activation.
+    attention_mask that is not a [B, T] tensor of bool or 0 / 1 values, an unknown activation.
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
@@ -111,12 +122,12 @@ class GatedDeltaNet(nn.Module):
                              f"got {getattr(x, 'shape', type(x).__name__)}")
         B, T, _ = x.shape
         H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        if attention_mask is not None:
-            if not isinstance(attention_mask, torch.Tensor) or \
-                    tuple(attention_mask.shape) != (B, T):
-                raise ValueError(f"attention_mask must have shape [B, T] = {[B, T]}; got "
-                                 f"{getattr(attention_mask, 'shape', type(attention_mask))}")
-            x = (x * attention_mask[:, :, None]).to(x.dtype)
+        keep = None if attention_mask is None else _check_mask(attention_mask, B, T, x.device)
+        if keep is not None and not torch.compiler.is_compiling() and bool(keep.all()):
+            keep = None                                  # no padding: the unmasked path
+        if keep is not None:
+            # padded inputs may hold anything (NaN); where, not a product, so none leaks
+            x = torch.where(keep[:, :, None], x, x.new_zeros(()))
         want = (B, self.conv_dim, self.conv_kernel_size - 1)
         if state is None:
             conv = x.new_zeros(want)
@@ -135,22 +146,59 @@ class GatedDeltaNet(nn.Module):
             return x.new_zeros((B, 0, self.hidden_size)), GatedDeltaNetState(conv, recurrent)
         q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], -1)
+        if keep is not None:
+            # each row's real tokens first, in order (then its padded ones): the convolution of
+            # a real token then reads the previous real tokens, never a padded one
+            pos = torch.arange(T, device=x.device)
+            order = torch.argsort(torch.where(keep, pos, pos + T), dim=1)
+            mixed = torch.gather(mixed, 1, order[:, :, None].expand_as(mixed))
         # causal depthwise convolution over [the previous kernel - 1 inputs, this call's]
         padded = torch.cat([conv.to(mixed.dtype), mixed.transpose(1, 2)], -1)
-        new_conv = padded[:, :, padded.shape[-1] - (self.conv_kernel_size - 1):]
+        if keep is None:
+            new_conv = padded[:, :, padded.shape[-1] - (self.conv_kernel_size - 1):]
+        else:   # the last kernel - 1 real inputs: they end at the row's count of real tokens
+            last = keep.sum(1, keepdim=True) + torch.arange(self.conv_kernel_size - 1,
+                                                            device=x.device)
+            new_conv = torch.gather(padded, 2, last[:, None, :].expand(-1, self.conv_dim, -1))
         mixed = ACTIVATIONS[self.activation](
             F.conv1d(padded, self.conv1d.weight, None, groups=self.conv_dim))
+        if keep is not None:                              # back to the tokens' own positions
+            back = torch.argsort(order, dim=1)
+            mixed = torch.gather(mixed, 2, back[:, None, :].expand_as(mixed))
         q, k, v = torch.split(mixed.transpose(1, 2), [self.key_dim, self.key_dim,
                                                       self.value_dim], -1)
         q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
         beta = b.sigmoid()
         wide = torch.promote_types(a.dtype, torch.float32)   # a half model's gate in float32
         g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
+        if keep is not None:   # a padded token: decay 1 and no write, the state passes unchanged
+            g = torch.where(keep[:, :, None], g, g.new_zeros(()))
+            beta = torch.where(keep[:, :, None], beta, beta.new_zeros(()))
         o, recurrent = chunk_gated_delta_rule(
             q, k, v, g, beta, scale=1 / math.sqrt(K), initial_state=recurrent,
             output_final_state=True, use_qk_l2norm_in_kernel=True)
         o = self.norm(o.reshape(-1, V), z.reshape(-1, V)).reshape(B, T, HV * V)
-        return self.out_proj(o), GatedDeltaNetState(new_conv, recurrent)
+        y = self.out_proj(o)
+        if keep is not None:
+            y = torch.where(keep[:, :, None], y, y.new_zeros(()))
+        return y, GatedDeltaNetState(new_conv, recurrent)
+
+
+def _check_mask(mask, B, T, device):
+    """attention_mask as a bool [B, T] (True: a real token), or ValueError."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, T):
+        raise ValueError(f"attention_mask must have shape [B, T] = {[B, T]} (a tensor); got "
+                         f"{getattr(mask, 'shape', type(mask).__name__)}")
+    if mask.dtype == torch.bool:
+        return mask.to(device)
+    if mask.is_complex():
+        raise ValueError(f"attention_mask must hold bool or 0 / 1 values; got {mask.dtype}")
+    # a data-dependent check: left to eager runs (torch.compile would break the graph here)
+    if not torch.compiler.is_compiling() and not bool(((mask == 0) | (mask == 1)).all()):
+        bad = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist()
+        raise ValueError(f"attention_mask must hold bool or 0 / 1 values (1: a real token, "
+                         f"0: padding); got values such as {bad}")
+    return (mask != 0).to(device)
 
 
 class _GatedRMSNorm(nn.Module):

@@ -50,7 +50,8 @@ def reference_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     gate = alpha if g is None else torch.exp(g)
     if normalize_qk:
         q, k = l2norm(q), l2norm(k)
-    G = v.shape[2] // q.shape[2]                 # value heads per query/key head (grouped order)
+    # value heads per query/key head (grouped order; H = HV = 0: no heads, nothing to repeat)
+    G = v.shape[2] // q.shape[2] if q.shape[2] else 1
     q, k = q.repeat_interleave(G, dim=2), k.repeat_interleave(G, dim=2)
     B, T, HV, Dv = v.shape
     Dk = q.shape[-1]
