@@ -36,9 +36,23 @@
 #define GDN_X86_DISPATCH 0
 #endif
 
-/* Pick the instruction set (call once, before any kernel); its name: "generic", "avx2", "avx512". */
+/* Pick the instruction set (call once, before any kernel); its name: "generic", "avx2", "avx512".
+ * gdn_init reads GDN_EXT_ISA; gdn_isa_request_error() is NULL when it was unset or honoured, else
+ * a sentence saying why not (unknown name, or a level this CPU lacks) and what was chosen. */
 void gdn_init(void);
 const char *gdn_isa(void);
+const char *gdn_isa_request_error(void);
+
+/* Subnormal numbers: the kernels run with the CPU's flush-to-zero and denormals-are-zero modes on
+ * (x86-64: MXCSR bits FTZ | DAZ; AArch64: FPCR.FZ, which does both), so a state decaying towards
+ * zero never lingers in subnormals, which many CPUs compute 10-100 times slower. The modes belong
+ * to a thread: every thread that runs kernel code turns them on with gdn_flush_begin() and puts
+ * back what it had with gdn_flush_end() before it leaves (the caller's and OpenMP's pool threads,
+ * shared with other libraries, keep IEEE arithmetic). Elsewhere: no-ops, IEEE subnormals. */
+typedef unsigned gdn_fpmode;
+gdn_fpmode gdn_flush_begin(void);          /* returns the calling thread's previous modes */
+void gdn_flush_end(gdn_fpmode previous);   /* the exception flags raised meanwhile stay */
+int gdn_flush_supported(void);             /* 1 where the modes exist (x86-64, AArch64) */
 
 /* Per-operand strides of the forward pass, in elements. "n" is the stride between the N loop
  * elements, "s" between the NS sequences of one packed (varlen) loop element; the other letters name

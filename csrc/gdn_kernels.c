@@ -5,6 +5,7 @@
  * Legend of dimension letters: see gdn.h.
  */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "gdn.h"
@@ -12,6 +13,48 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+/* ---- flush-to-zero / denormals-are-zero (see gdn.h) --------------------------------------- */
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#define GDN_FLUSH_BITS 0x8040u   /* MXCSR: FTZ (bit 15) | DAZ (bit 6) */
+static unsigned gdn_fpmode_get(void) { return _mm_getcsr(); }
+static void gdn_fpmode_set(unsigned m) { _mm_setcsr(m); }
+#elif defined(__aarch64__) && defined(__GNUC__)
+#define GDN_FLUSH_BITS (1u << 24)   /* FPCR.FZ: subnormal inputs and results are zero */
+static unsigned gdn_fpmode_get(void)
+{
+    uint64_t r;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(r));
+    return (unsigned)r;
+}
+static void gdn_fpmode_set(unsigned m)
+{
+    uint64_t r = m;
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(r));
+}
+#else
+#define GDN_FLUSH_BITS 0u   /* no portable way: IEEE subnormals, and their cost */
+static unsigned gdn_fpmode_get(void) { return 0; }
+static void gdn_fpmode_set(unsigned m) { (void)m; }
+#endif
+
+int gdn_flush_supported(void) { return GDN_FLUSH_BITS != 0; }
+
+gdn_fpmode gdn_flush_begin(void)
+{
+    const unsigned m = gdn_fpmode_get();
+    if ((m & GDN_FLUSH_BITS) != GDN_FLUSH_BITS) gdn_fpmode_set(m | GDN_FLUSH_BITS);
+    return m;
+}
+
+void gdn_flush_end(gdn_fpmode previous)
+{
+    /* only the mode bits: MXCSR also holds the exception flags the kernel raised */
+    const unsigned m = gdn_fpmode_get();
+    const unsigned want = (m & ~GDN_FLUSH_BITS) | (previous & GDN_FLUSH_BITS);
+    if (want != m) gdn_fpmode_set(want);
+}
 
 #include <time.h>
 double gdn_now(void)
@@ -235,6 +278,7 @@ GDN_DECLARE_ISA(avx512)
 
 static int isa_level = 0;   /* 0 portable, 1 AVX2 + FMA, 2 AVX-512; set once by gdn_init */
 static const char *const isa_names[] = {"generic", "avx2", "avx512"};
+static char isa_error[256];   /* why GDN_EXT_ISA was not honoured, or "" */
 
 void gdn_init(void)
 {
@@ -247,15 +291,29 @@ void gdn_init(void)
         best = 2;
 #endif
     int level = best;
-    /* GDN_EXT_ISA=generic|avx2|avx512 asks for a level the CPU has (tests, comparisons) */
+    /* GDN_EXT_ISA=generic|avx2|avx512 asks for a level the CPU has (tests, comparisons); anything
+     * else is reported (gdn_isa_request_error) and the best level used */
     const char *want = getenv("GDN_EXT_ISA");
-    if (want != NULL)
+    isa_error[0] = '\0';
+    if (want != NULL && want[0] != '\0') {
+        int asked = -1;
         for (int i = 0; i < 3; i++)
-            if (strcmp(want, isa_names[i]) == 0 && i <= best) level = i;
+            if (strcmp(want, isa_names[i]) == 0) asked = i;
+        if (asked >= 0 && asked <= best)
+            level = asked;
+        else
+            snprintf(isa_error, sizeof isa_error,
+                     "GDN_EXT_ISA=%.40s %s; the allowed values are generic, avx2, avx512 (those "
+                     "this CPU has: %s); using %s", want,
+                     asked < 0 ? "is not a known instruction set" : "is not available on this CPU",
+                     best == 2 ? "all three" : best == 1 ? "generic, avx2" : "generic",
+                     isa_names[best]);
+    }
     isa_level = level;
 }
 
 const char *gdn_isa(void) { return isa_names[isa_level]; }
+const char *gdn_isa_request_error(void) { return isa_error[0] ? isa_error : NULL; }
 
 #if GDN_X86_DISPATCH
 #define GDN_DISPATCH(fn, ...)                                                                    \

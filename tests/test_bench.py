@@ -16,7 +16,7 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     for words in ("gdn_ext forward (float32)", "numpy matmul 1024^3", "T sweep", "thread sweep",
-                  "decode", "backward extra memory"):
+                  "decode", "backward extra memory", "padded batch against ordinary inputs"):
         assert words in out
     res = json.loads((tmp_path / "b.json").read_text())
     assert set(res["tables"]) == {"float32", "float64"}
@@ -24,6 +24,8 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
         assert table["matmul_gflops"] > 0 and table["backward_over_forward"] > 0
         assert all(r["seconds"] > 0 for r in table["rows"])
     assert [s["T"] for s in res["sweep_T"]] == [32, 64]
+    assert [r["dtype"] for r in res["padded_batch"]] == ["float32", "float64"]
+    assert all(r["forward_ratio"] > 0 and r["backward_ratio"] > 0 for r in res["padded_batch"])
     assert res["backward_memory"]["gdn_ext_backward_extra_bytes"] > 0
     if "--plot" in argv:
         assert (tmp_path / "b.png").stat().st_size > 1000

@@ -15,11 +15,14 @@ GFLOP/s counts the forward's 7 * Dk * Dv floating-point operations per token and
 every row (backward rows included), so it is a rate of useful work that compares across rows; the
 matmul row counts 2 n^3. The last two columns are each row's time per token divided by gdn_ext's
 forward (resp. forward + backward) time per token: how many times slower than gdn_ext it is.
-Then: backward peak extra memory against PyTorch autograd's, sweeps over T (cost must grow
+A padded batch (real tokens in the first twentieth of each row, then q = k = v = 0, the state
+decaying under the gate into the subnormal range) against ordinary inputs of the same shape,
+forward and backward, both dtypes, one thread: the ratio shows that subnormal numbers cost no
+cliff. Then: backward peak extra memory against PyTorch autograd's, sweeps over T (cost must grow
 linearly), Dk = Dv and threads, and one decode step against a full call's per-token time.
-``--json FILE`` writes every number, ``--plot FILE.png`` draws them. ``--scaling 1 2 4 8 16`` runs
-only a thread-scaling measurement (parallel efficiency = speed-up / threads; use ``--repeat`` 5 or
-more, single runs on a shared machine are noise).
+``--json FILE`` writes every number, ``--plot FILE.png`` draws them. ``--padded`` runs only the
+padded-batch row, ``--scaling 1 2 4 8 16`` only a thread-scaling measurement (parallel efficiency
+= speed-up / threads; use ``--repeat`` 5 or more, single runs on a shared machine are noise).
 """
 import argparse
 import json
@@ -358,6 +361,8 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
                     f"({gf:6.1f} GFLOP/s, {frac:4.2f} x peak), backward {1e3 * tb:8.2f} ms "
                     f"({tb / tf:.2f}x)")
 
+    res["padded_batch"] = padded_batch(B, T, H, D, repeat, log=log)
+
     res["contention"] = contention(B, T, H, D, threads, repeat, busy=1 if quick else None, log=log)
 
     log(f"\nthread sweep (float32 forward, B={B} T={T} H={H} D={D}; parallel efficiency = "
@@ -396,6 +401,38 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
             log(f"  {label}: {mem[key] / 2**20:.1f} MiB saved for backward "
                 f"({mem[key] / max(1, mem['gdn_ext_backward_extra_bytes']):.0f}x gdn_ext)")
     return res
+
+
+def padded_batch(B, T, H, D, repeat=5, log=print):
+    """A padded batch against ordinary inputs of the same shape, one thread, float32 and float64,
+    forward and backward: real tokens for t < T / 20, then q = k = v = 0 (right padding). The gate
+    (the same for both inputs) takes a state of size 1 down to the dtype's smallest normal number
+    halfway through the padding, and is at least 0.55: in IEEE arithmetic the state then stays in
+    subnormal numbers (x * alpha rounds back to x once x is a few units of the last place), which
+    many CPUs compute 10 to 100 times slower; the kernels flush them to zero. Returns one dict per
+    dtype with the times and the padded / ordinary ratios."""
+    pad_from = max(1, T // 20)
+    out = []
+    log(f"\npadded batch against ordinary inputs (B={B} T={T} H={H} Dk=Dv={D}, 1 thread; q = k = "
+        f"v = 0 from t = {pad_from}): time, and padded / ordinary")
+    for dt in (np.float32, np.float64):
+        x = _inputs(B, T, H, D, dt)
+        alpha = max(0.55, float(np.finfo(dt).tiny) ** (2 / max(1, T - pad_from)))
+        x["g"] = np.full_like(x["g"], np.log(alpha))
+        pad = {n: a.copy() for n, a in x.items()}
+        for n in ("q", "k", "v"):
+            pad[n][:, pad_from:] = 0
+        row = dict(dtype=np.dtype(dt).name, pad_from=pad_from, alpha=alpha)
+        for label, xs in (("ordinary", x), ("padded", pad)):
+            fwd, bwd, _ = _gdn_calls(xs, 1)
+            row[label + "_forward_s"] = _timeit(fwd, repeat)
+            row[label + "_backward_s"] = _timeit(bwd, max(1, repeat // 2))
+        for d in ("forward", "backward"):
+            row[d + "_ratio"] = row[f"padded_{d}_s"] / row[f"ordinary_{d}_s"]
+            log(f"  {row['dtype']} {d:<8} (alpha {alpha:.3f}): ordinary {1e3 * row[f'ordinary_{d}_s']:8.2f} ms, "
+                f"padded {1e3 * row[f'padded_{d}_s']:8.2f} ms: {row[d + '_ratio']:5.2f} x")
+        out.append(row)
+    return out
 
 
 def contention(B, T, H, D, threads, repeat, busy=None, log=print):
@@ -485,12 +522,20 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     ap.add_argument("--scaling", type=int, nargs="+", metavar="N",
                     help="only the thread-scaling run, for these thread counts (e.g. 1 2 4 8 16)")
+    ap.add_argument("--padded", action="store_true",
+                    help="only the padded-batch row (padded against ordinary inputs, 1 thread)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--plot", metavar="FILE.png")
     a = ap.parse_args(argv)
     if a.scaling:
         res = thread_scaling(B=a.batch, T=a.seq_len, H=a.heads, D=a.head_dim,
                              thread_counts=tuple(a.scaling), repeat=a.repeat)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
+    if a.padded:
+        res = dict(padded_batch=padded_batch(a.batch, a.seq_len, a.heads, a.head_dim, a.repeat))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)
