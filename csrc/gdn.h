@@ -37,11 +37,9 @@
 #endif
 
 /* Pick the instruction set (call once, before any kernel); its name: "generic", "avx2", "avx512".
- * gdn_init reads GDN_EXT_ISA; gdn_isa_request_error() is NULL when it was unset or honoured, else
- * a sentence saying why not (unknown name, or a level this CPU lacks) and what was chosen. */
+ * GDN_EXT_ISA may ask for a lower level than the CPU's best. */
 void gdn_init(void);
 const char *gdn_isa(void);
-const char *gdn_isa_request_error(void);
 
 /* Subnormal numbers: the kernels run with the CPU's flush-to-zero and denormals-are-zero modes on
  * (x86-64: MXCSR bits FTZ | DAZ; AArch64: FPCR.FZ, which does both), so a state decaying towards

@@ -5,7 +5,6 @@
  * Legend of dimension letters: see gdn.h.
  */
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "gdn.h"
@@ -278,7 +277,6 @@ GDN_DECLARE_ISA(avx512)
 
 static int isa_level = 0;   /* 0 portable, 1 AVX2 + FMA, 2 AVX-512; set once by gdn_init */
 static const char *const isa_names[] = {"generic", "avx2", "avx512"};
-static char isa_error[256];   /* why GDN_EXT_ISA was not honoured, or "" */
 
 void gdn_init(void)
 {
@@ -291,29 +289,16 @@ void gdn_init(void)
         best = 2;
 #endif
     int level = best;
-    /* GDN_EXT_ISA=generic|avx2|avx512 asks for a level the CPU has (tests, comparisons); anything
-     * else is reported (gdn_isa_request_error) and the best level used */
+    /* GDN_EXT_ISA=generic|avx2|avx512 asks for a level the CPU has (tests, comparisons); other
+     * values leave the best level, and gdn_ext/_native.py warns about them */
     const char *want = getenv("GDN_EXT_ISA");
-    isa_error[0] = '\0';
-    if (want != NULL && want[0] != '\0') {
-        int asked = -1;
+    if (want != NULL)
         for (int i = 0; i < 3; i++)
-            if (strcmp(want, isa_names[i]) == 0) asked = i;
-        if (asked >= 0 && asked <= best)
-            level = asked;
-        else
-            snprintf(isa_error, sizeof isa_error,
-                     "GDN_EXT_ISA=%.40s %s; the allowed values are generic, avx2, avx512 (those "
-                     "this CPU has: %s); using %s", want,
-                     asked < 0 ? "is not a known instruction set" : "is not available on this CPU",
-                     best == 2 ? "all three" : best == 1 ? "generic, avx2" : "generic",
-                     isa_names[best]);
-    }
+            if (strcmp(want, isa_names[i]) == 0 && i <= best) level = i;
     isa_level = level;
 }
 
 const char *gdn_isa(void) { return isa_names[isa_level]; }
-const char *gdn_isa_request_error(void) { return isa_error[0] ? isa_error : NULL; }
 
 #if GDN_X86_DISPATCH
 #define GDN_DISPATCH(fn, ...)                                                                    \
