@@ -367,7 +367,12 @@ static int after_interrupt(void)
     NPY_ALLOW_C_API_DEF
     NPY_ALLOW_C_API;
     r = PyErr_CheckSignals();
-    if (r == 0) arm();      /* the handler may have set another one (signal.signal) */
+    if (r == 0) {
+        arm();              /* the handler may have set another one (signal.signal) */
+        /* this call had not failed (its kernel ran); a failure of a call the handler made, and
+         * caught, is not this call's */
+        this_call.failed = 0;
+    }
     NPY_DISABLE_C_API;
     if (r < 0) {
         this_call.failed = 1;

@@ -330,6 +330,40 @@ def test_a_python_handler_that_does_not_raise_lets_the_call_complete():
     assert results.strip() == str([True] * 7), results
 
 
+NESTED = r"""
+r = np.random.default_rng(0)
+x = r.standard_normal((1, 50000, 1, 64)).astype(np.float32)
+x /= np.linalg.norm(x, axis=-1, keepdims=True)
+q = np.broadcast_to(x, (4, 50000, 2, 64))          # 4 rows: 4 inner-loop calls
+kw = dict(beta=np.full((4, 50000, 2), .5, np.float32), alpha=np.full((4, 50000, 2), .99, np.float32))
+want = gdn_ext.gated_delta_rule(q, q, q, **kw)
+small = inputs(1, 8, 2, 16)
+want_small = gdn_ext.gated_delta_rule(**small)
+T, D = 4, 3
+bad = (np.ones((T, D)), np.ones((T, D)), np.ones((T, D)), np.ones((T, D)), np.ones(T),
+       np.zeros((1, D, D)), 1.0, 0.0, np.array([0, T + 1]))   # cu_seqlens that does not end at T
+seen = []
+def handler(signum, frame):
+    seen.append(np.array_equal(gdn_ext.gated_delta_rule(**small)[0], want_small[0]))
+    try:
+        gdn_ext.ufuncs.gated_delta_rule_general_fwd(*bad)   # fails in the C loop's checks
+    except ValueError:
+        seen.append("caught")
+signal.signal(signal.SIGINT, handler)
+th = sigint_after(0.2, [])
+o, S = gdn_ext.gated_delta_rule(q, q, q, **kw)
+th.join()
+print(seen, np.array_equal(o, want[0]) and np.array_equal(S, want[1]))
+"""
+
+
+@posix
+def test_calls_from_a_signal_handler_leave_the_interrupted_call_whole():
+    """A SIGINT handler that calls gdn_ext, and a raw ufunc that fails in C (caught): the call it
+    interrupted (four inner-loop calls) still completes with every row right."""
+    assert _run(NESTED).strip() == "[True, 'caught'] True"
+
+
 # ---- gdn_ext.threads objects, shared --------------------------------------------------------------
 
 TWO = gdn_ext.threads(2)
