@@ -148,18 +148,30 @@ def converted(a, dtype, fn=None):
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _internal(f):
+    """Whether frame ``f`` runs gdn_ext's code, or PyTorch's through which gdn_ext's custom
+    operators and autograd functions are called (torch.library, autograd): not the user's."""
+    name = os.path.abspath(f.f_code.co_filename)
+    if name.startswith(_PACKAGE):
+        return True
+    torch = sys.modules.get("torch")
+    where = getattr(torch, "__file__", None)
+    return where is not None and name.startswith(os.path.dirname(os.path.abspath(where)) + os.sep)
+
+
 def _outside(f):
-    """The first frame from ``f`` outward whose code is not gdn_ext's (None if none)."""
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE):
+    """The first frame from ``f`` outward that is not gdn_ext's or torch's (None if none)."""
+    while f is not None and _internal(f):
         f = f.f_back
     return f
 
 
 def caller_stacklevel():
     """The ``stacklevel`` that makes a warning issued by the caller of this function point at
-    the first frame outside gdn_ext (the user's line), however deep inside gdn_ext it is."""
+    the first frame outside gdn_ext (and torch, which calls gdn_ext's operators): the user's
+    line, however deep inside gdn_ext it is."""
     level, f = 2, sys._getframe(2)
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE):
+    while f is not None and _internal(f):
         level, f = level + 1, f.f_back
     return level
 

@@ -259,6 +259,28 @@ def _fla_inputs(seed=5, T=T, H=H):
 FLA = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
 
 
+def test_torch_floating_point_warnings_point_at_the_callers_line():
+    """An overflow inside the kernels, through gdn_ext.torch's forward, a drop-in's forward and
+    the backward that autograd runs: NumPy's RuntimeWarning names this file's lines, not torch's
+    custom-operator machinery."""
+    torch = _torch()
+    import gdn_ext.torch as gt
+    r = np.random.default_rng(0)
+    q, k, v = (torch.tensor(r.standard_normal((1, 3000, 1, 16)), requires_grad=True)
+               for _ in range(3))
+    one = torch.ones(1, 3000, 1, dtype=torch.float64)
+    with np.errstate(over="warn", invalid="warn"):
+        w = _caught(lambda: gt.gated_delta_rule(q, k, v, beta=one, alpha=one,
+                                                check_values=False))
+        assert w and all(x.filename == __file__ for x in w), [(x.filename, x.lineno) for x in w]
+        out = []
+        w = _caught(lambda: out.append(gt.chunk_gated_delta_rule(
+            q, k, v, torch.zeros_like(one), one, scale=1.0, check_values=False)[0]))
+        assert w and all(x.filename == __file__ for x in w), [(x.filename, x.lineno) for x in w]
+        w = _caught(lambda: out[0].sum().backward())
+        assert w and all(x.filename == __file__ for x in w), [(x.filename, x.lineno) for x in w]
+
+
 @pytest.mark.parametrize("fn", FLA)
 def test_fla_values_warn_on_what_the_recurrence_sees(fn):
     torch = _torch()
