@@ -399,8 +399,10 @@ static int skip_loop(void)
 }
 
 /* Runs the kernel over nt threads' workspace of len elements each (NULL workspace: error set),
- * as the main thread's call asks: stopped by Ctrl-C (unless `inplace`: S_0 is S_T's memory, so a
- * second run would start from a half-updated state) and then dropped or run again; frees the
+ * as the main thread's call asks: stopped by Ctrl-C, then dropped (a handler raised) or run again
+ * to its end, once, this time not stopped (signals then are handled when it ends: a stream of
+ * SIGINTs whose handler does not raise cannot keep a call from finishing). `inplace`: S_0 is S_T's
+ * memory, a second run would start from a half-updated state, so it is never stopped. Frees the
  * input copies. */
 #define RUN_WITH_WORKSPACE(REAL, nt, len, inplace, tmp, ntmp, call)                              \
     do {                                                                                         \
@@ -408,12 +410,16 @@ static int skip_loop(void)
         if (ws != NULL) {                                                                        \
             const int bare = this_call.depth == 0;                                               \
             if (bare) call_open(0);                                                              \
-            sz.cancel = (inplace) ? NULL : call_flag();                                          \
-            int again = 1;                                                                       \
-            if (GDN_CANCELLED(sz.cancel)) again = after_interrupt();   /* during the casts */    \
-            while (again == 1) {                                                                 \
+            gdn_cancel_flag *flag = (inplace) ? NULL : call_flag();                             \
+            int r = GDN_CANCELLED(flag) ? after_interrupt() : 0;   /* during the casts */        \
+            if (r >= 0) {                                                                        \
+                sz.cancel = flag;                                                                \
                 call;                                                                            \
-                again = GDN_CANCELLED(sz.cancel) ? after_interrupt() : 0;                        \
+                if (GDN_CANCELLED(flag) && after_interrupt() == 1) {                             \
+                    sz.cancel = NULL;                                                            \
+                    call;                                                                        \
+                    if (GDN_CANCELLED(flag)) after_interrupt();                                  \
+                }                                                                                \
             }                                                                                    \
             if (bare) call_close();                                                              \
             PyMem_RawFree(ws);                                                                   \

@@ -36,7 +36,8 @@ class threads:
 
     The object holds only ``n``: one object (say a module-level ``TWO = gdn_ext.threads(2)``) may
     be entered from several threads and asyncio tasks at once, nested, and again; it pickles and
-    copies as its ``n``. What a block restores on exit lives in the thread's (or task's) context.
+    copies as its ``n``. What a block restores on exit lives in the thread's (or task's) context
+    (a generator that yields inside a block leaves it open in its caller until it resumes).
     Raises TypeError / ValueError for an n that is not None or a positive int (when made), and
     RuntimeError when a block exits in a context where it was not entered."""
 
