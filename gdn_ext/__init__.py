@@ -27,12 +27,13 @@ _LIBRARY = {   # public names -> the module that holds them (loaded with the com
     "threads": "recurrence",
 }
 __all__ = list(_LIBRARY) + ["GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult",
-                            "LayerStepResult", "LayerGrads", "reference", "__version__"]
+                            "LayerStepResult", "LayerGrads", "LayerCache", "reference",
+                            "__version__"]
 
 # Importable without the compiled module: the oracle and the result types.
 from . import reference  # noqa: E402
-from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, LayerGrads,  # noqa: E402
-                       LayerStepResult, StepResult)
+from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, LayerCache,  # noqa: E402
+                       LayerGrads, LayerStepResult, StepResult)
 
 # Idle OpenMP threads sleep instead of spinning, unless the user chose (OMP_WAIT_POLICY,
 # GOMP_SPINCOUNT): spinning threads take the cores from NumPy's BLAS threads and from other

@@ -4,7 +4,7 @@ them without the compiled module."""
 from collections import namedtuple
 
 __all__ = ["GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult", "LayerStepResult", "LayerGrads",
-           "describe"]
+           "LayerCache", "describe"]
 
 
 def describe(x):
@@ -57,4 +57,15 @@ class LayerStepResult(_Compact, namedtuple("LayerStepResult", ["y", "state"])):
 class LayerGrads(_Compact, namedtuple("LayerGrads", ["dx", "d_initial_state", "dparams"])):
     """Gradients of the layer: ``dx`` of its input, ``d_initial_state`` of its state, ``dparams``
     of its weights (a GatedDeltaNetParams); unpacks as ``dx, dS, dparams``."""
+    __slots__ = ()
+
+
+class LayerCache(_Compact, namedtuple("LayerCache", ["h", "q", "k", "v", "gate", "eta", "O",
+                                                    "checkpoints"])):
+    """What ``gated_deltanet_forward(..., return_cache=True)`` keeps for its backward, so that
+    a training step runs the recurrence forward once: ``h`` = rmsnorm(x) [B, T, D]; ``q``, ``k``
+    [B, T, H, Dk] (before any L2 normalisation, which the kernels do); ``v`` [B, T, H, Dv];
+    ``gate``, ``eta`` [B, T, H]; ``O`` the recurrence's output [B, T, H, Dv]; ``checkpoints``
+    the recurrence's states every checkpoint_interval(T) steps (gated_delta_rule's
+    ``return_checkpoints``). Computed in the layer's dtype; read-only by convention."""
     __slots__ = ()

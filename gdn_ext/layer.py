@@ -25,7 +25,7 @@ from numpy.typing import ArrayLike
 
 from ._checks import as_real_array, expect_shape, flag, fmt
 from ._constants import L2_EPS, RMS_EPS
-from ._results import LayerGrads, LayerStepResult
+from ._results import LayerCache, LayerGrads, LayerStepResult
 from .recurrence import gated_delta_rule, gated_delta_rule_backward, gated_delta_rule_step
 
 # The rule family by name: (gated, delta_rule). The design note's lesson in order: linear
@@ -33,8 +33,9 @@ from .recurrence import gated_delta_rule, gated_delta_rule_backward, gated_delta
 RULES = {"linear": (False, False), "delta": (False, True), "gated_linear": (True, False),
          "gated_delta": (True, True)}
 
-__all__ = ["RULES", "GatedDeltaNetParams", "rmsnorm", "rmsnorm_backward", "l2norm", "l2norm_backward",
-           "gated_deltanet_forward", "gated_deltanet_backward", "gated_deltanet_step"]
+__all__ = ["RULES", "GatedDeltaNetParams", "LayerCache", "rmsnorm", "rmsnorm_backward", "l2norm",
+           "l2norm_backward", "gated_deltanet_forward", "gated_deltanet_backward",
+           "gated_deltanet_step"]
 
 
 @dataclass(repr=False)
@@ -226,27 +227,44 @@ def _check(x, S, params, name="x"):
     return x, S
 
 
-def _projections(x, params, normalize_qk, gated=True):
-    """The layer up to the recurrence's inputs, keeping what the backward needs (gated=False:
-    the gate is 1, no forgetting, and Wg_state is unused)."""
+def _in_weights(params):
+    """The five input projections side by side, [D, 2 H Dk + H Dv + 2 H]: one matrix product
+    instead of five (and one each for their gradients), which BLAS runs faster."""
+    return np.concatenate([params.Wq, params.Wk, params.Wv, params.Wg_state, params.Weta], axis=1)
+
+
+def _projections(x, params, gated=True):
+    """The layer up to the recurrence's inputs (gated=False: the gate is 1, no forgetting, and
+    Wg_state is unused). q and k come raw: the kernels L2-normalise them when asked, and take
+    the normalisation's gradient back to the raw q, k."""
     B, T, _ = x.shape
     H, Dk, Dv = params.n_heads, params.d_key, params.d_value
     h = rmsnorm(x, params.norm_weight)                          # [B, T, D]
-    q_raw = (h @ params.Wq).reshape(B, T, H, Dk)
-    k_raw = (h @ params.Wk).reshape(B, T, H, Dk)
-    v = (h @ params.Wv).reshape(B, T, H, Dv)
-    gate = (_sigmoid(h @ params.Wg_state) if gated              # [B, T, H], alpha
+    P = h @ _in_weights(params)                                 # q | k | v | gate | eta
+    e = np.cumsum([H * Dk, H * Dk, H * Dv, H])
+    q = P[..., :e[0]].reshape(B, T, H, Dk)
+    k = P[..., e[0]:e[1]].reshape(B, T, H, Dk)
+    v = P[..., e[1]:e[2]].reshape(B, T, H, Dv)
+    gate = (_sigmoid(P[..., e[2]:e[3]]) if gated                 # [B, T, H], alpha
             else np.ones((B, T, H), h.dtype))
-    eta = _sigmoid(h @ params.Weta)                             # [B, T, H], beta
-    q = l2norm(q_raw) if normalize_qk else q_raw
-    k = l2norm(k_raw) if normalize_qk else k_raw
-    return h, q_raw, k_raw, q, k, v, gate, eta
+    eta = _sigmoid(P[..., e[3]:])                               # [B, T, H], beta
+    return h, q, k, v, gate, eta
+
+
+def _recurrence(h, q, k, v, gate, eta, S, normalize_qk, scale, num_threads, delta_rule):
+    """The recurrence's forward, keeping what its backward needs: (O, S_T, LayerCache)."""
+    # the layer makes q, k, v itself, gates in [0, 1]: nothing for check_values to find
+    O, S_T, ck = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
+                                  num_threads=num_threads, normalize_qk=normalize_qk,
+                                  check_values=False, delta_rule=delta_rule,
+                                  return_checkpoints=True)
+    return O, S_T, LayerCache(h, q, k, v, gate, eta, O, ck)
 
 
 def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
                            normalize_qk: bool = False, scale: float = 1.0,
                            num_threads: Optional[int] = None, delta_rule: bool = True,
-                           gated: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+                           gated: bool = True, return_cache: bool = False) -> tuple:
     """The design note's Gated DeltaNet layer: ``y, S_T = gated_deltanet_forward(x, S, params)``.
 
     Parameters
@@ -266,10 +284,17 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
     gated : bool, default True
         False: no forget gate (alpha = 1; Wg_state unused, its gradient 0): with
         ``delta_rule=True`` DeltaNet, with False plain linear attention. ``RULES`` names the four.
+    return_cache : bool, default False
+        Also return a :class:`LayerCache` (the projections, the recurrence's output and its
+        checkpoints) to hand to :func:`gated_deltanet_backward` as ``cache=``: a training step
+        then runs the recurrence forward once, not three times (the backward needs O for dWo
+        and the states every checkpoint_interval(T) steps), and the projections once. It holds
+        about (4 Dk + 2 Dv) / D times x's size plus checkpoint_count(T) states per head.
 
     Returns
     -------
-    y : ndarray [B, T, D] = x + O Wo;  S_T : ndarray [B, H, Dv, Dk].
+    y : ndarray [B, T, D] = x + O Wo;  S_T : ndarray [B, H, Dv, Dk];
+    cache : LayerCache, only with ``return_cache=True``.
     Computed in the promoted float dtype of x, S and params (float32 or float64).
 
     Raises
@@ -281,32 +306,42 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
     """
     x, S = _check(x, S, params)
     normalize_qk = flag(normalize_qk, "normalize_qk")
+    return_cache = flag(return_cache, "return_cache")
     B, T, D = x.shape
     gated = flag(gated, "gated")
-    h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk, gated)
-    # the layer makes q, k, v itself, gates in [0, 1]: nothing for check_values to find
-    O, S_T = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
-                              num_threads=num_threads, check_values=False,
-                              delta_rule=delta_rule)
+    h, q, k, v, gate, eta = _projections(x, params, gated)
+    if return_cache:
+        O, S_T, cache = _recurrence(h, q, k, v, gate, eta, S, normalize_qk, scale, num_threads,
+                                    delta_rule)
+    else:
+        # the layer makes q, k, v itself, gates in [0, 1]: nothing for check_values to find
+        O, S_T = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
+                                  num_threads=num_threads, normalize_qk=normalize_qk,
+                                  check_values=False, delta_rule=delta_rule)
     y = x + O.reshape(B, T, params.n_heads * params.d_value) @ params.Wo
-    return y, S_T
+    return (y, S_T, cache) if return_cache else (y, S_T)
 
 
 def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
                             params: GatedDeltaNetParams, dS_T: Optional[ArrayLike] = None, *,
                             normalize_qk: bool = False, scale: float = 1.0,
                             num_threads: Optional[int] = None, delta_rule: bool = True,
-                            gated: bool = True) -> LayerGrads:
+                            gated: bool = True, cache: Optional[LayerCache] = None) -> LayerGrads:
     """Backward of :func:`gated_deltanet_forward`: ``dx, dS, dparams``.
 
-    Recomputes the forward's projections (cheap), runs the recurrence's backward in C
-    (:func:`gdn_ext.gated_delta_rule_backward`) and the rest in NumPy.
+    Runs the recurrence's backward in C (:func:`gdn_ext.gated_delta_rule_backward`, from the
+    forward's checkpoints) and the rest in NumPy. Without ``cache`` it first recomputes the
+    projections and the recurrence's forward (once, keeping O and the checkpoints).
 
     Parameters
     ----------
     dy : array [B, T, D]   gradient of the loss with respect to y.
     x, S, params, normalize_qk, scale, num_threads : as for the forward.
     dS_T : array [B, H, Dv, Dk] or None   gradient with respect to the final state.
+    cache : LayerCache or None
+        What ``gated_deltanet_forward(..., return_cache=True)`` returned for these same x, S,
+        params and options (not checked beyond its shapes: a cache of other inputs gives the
+        gradients of those).
 
     Returns
     -------
@@ -324,32 +359,38 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
     B, T, D = x.shape
     H, Dv = params.n_heads, params.d_value
     gated = flag(gated, "gated")
-    h, q_raw, k_raw, q, k, v, gate, eta = _projections(x, params, normalize_qk, gated)
+    if cache is None:
+        cache = _recurrence(*_projections(x, params, gated), S, normalize_qk, scale, num_threads,
+                            delta_rule)[2]
+    elif not isinstance(cache, LayerCache):
+        raise TypeError(f"cache must be the LayerCache of gated_deltanet_forward(..., "
+                        f"return_cache=True); got {type(cache).__name__}")
+    else:
+        expect_shape(cache.h, "cache.h", x.shape, "[B, T, D] (the shape of x)")
+    h, q, k, v, gate, eta, O, ck = cache
 
     # y = x + O Wo
-    O, _ = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
-                            output_final_state=False, num_threads=num_threads, check_values=False,
-                            delta_rule=delta_rule)
     O2 = O.reshape(B * T, H * Dv)
     dy2 = dy.reshape(B * T, D)
     dWo = O2.T @ dy2
     dO = (dy2 @ params.Wo.T).reshape(B, T, H, Dv)
-    # O, S_T = recurrence(q, k, v, alpha=gate, beta=eta, S)
+    # O, S_T = recurrence(q, k, v, alpha=gate, beta=eta, S), q and k normalised in the kernel
     g = gated_delta_rule_backward(dO, q, k, v, beta=eta, alpha=gate, initial_state=S, dS_T=dS_T,
                                   scale=scale, num_threads=num_threads, check_values=False,
-                                  delta_rule=delta_rule)
+                                  delta_rule=delta_rule, normalize_qk=normalize_qk,
+                                  checkpoints=ck)
     dq, dk = g.dq, g.dk
-    if normalize_qk:
-        dq, dk = l2norm_backward(dq, q_raw), l2norm_backward(dk, k_raw)
     # gate = sigmoid(h Wg_state), eta = sigmoid(h Weta)
     dg_pre = g.dalpha * gate * (1 - gate) if gated else np.zeros_like(gate)
     de_pre = g.dbeta * eta * (1 - eta)
     # q = h Wq, k = h Wk, v = h Wv
     h2 = h.reshape(B * T, D)
-    pre = [(dq, params.Wq), (dk, params.Wk), (g.dv, params.Wv), (dg_pre, params.Wg_state),
-           (de_pre, params.Weta)]
-    dW = [h2.T @ d.reshape(B * T, W.shape[1]) for d, W in pre]
-    dh = sum(d.reshape(B * T, W.shape[1]) @ W.T for d, W in pre).reshape(B, T, D)
+    dP = np.concatenate([d.reshape(B * T, W.shape[1]) for d, W in
+                         ((dq, params.Wq), (dk, params.Wk), (g.dv, params.Wv),
+                          (dg_pre, params.Wg_state), (de_pre, params.Weta))], axis=1)
+    dW = np.split(h2.T @ dP, np.cumsum([W.shape[1] for W in (params.Wq, params.Wk, params.Wv,
+                                                             params.Wg_state)]), axis=1)
+    dh = (dP @ _in_weights(params).T).reshape(B, T, D)
     # h = rmsnorm(x)
     dx_norm, dnorm = rmsnorm_backward(dh, x, params.norm_weight)
     dparams = GatedDeltaNetParams(Wq=dW[0], Wk=dW[1], Wv=dW[2], Wg_state=dW[3], Weta=dW[4],
@@ -374,10 +415,10 @@ def gated_deltanet_step(x_t: ArrayLike, S: Optional[ArrayLike], params: GatedDel
     normalize_qk = flag(normalize_qk, "normalize_qk")
     x, S = _check(x_t[:, None, :], S, params, name="x_t")
     gated = flag(gated, "gated")
-    h, _, _, q, k, v, gate, eta = _projections(x, params, normalize_qk, gated)
+    h, q, k, v, gate, eta = _projections(x, params, gated)
     o, S_new = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta=eta[:, 0],
                                      alpha=gate[:, 0], state=S, scale=scale,
-                                     num_threads=num_threads, check_values=False,
-                                     delta_rule=delta_rule)
+                                     num_threads=num_threads, normalize_qk=normalize_qk,
+                                     check_values=False, delta_rule=delta_rule)
     return LayerStepResult(x_t + o.reshape(x_t.shape[0], params.n_heads * params.d_value) @ params.Wo,
                            S_new)

@@ -199,3 +199,42 @@ def test_params_type_errors():
         gdn_ext.gated_deltanet_forward(x, S, params, normalize_qk="no")
     with pytest.raises(ValueError, match=r"x_t must have shape \[B, D\] with D = 10; got \[2, 9\]"):
         gdn_ext.gated_deltanet_step(x[:, 0, :9], S, params)
+
+
+@pytest.mark.parametrize("normalize_qk", [False, True])
+@pytest.mark.parametrize("rule", ["gated_delta", "linear"])
+def test_backward_from_the_forwards_cache(normalize_qk, rule, monkeypatch):
+    """A training step with the forward's cache runs the recurrence forward once (one _ckpt
+    forward, one backward from its checkpoints; no other kernel call) and gives the same
+    gradients, bitwise, as the backward that recomputes what it needs."""
+    from gdn_ext import recurrence
+    from gdn_ext.layer import RULES, LayerCache
+    gated, delta_rule = RULES[rule]
+    kw = dict(normalize_qk=normalize_qk, scale=0.7, gated=gated, delta_rule=delta_rule)
+    rng, params, x, S = _problem(3)
+    calls = []
+    run = recurrence._call
+    monkeypatch.setattr(recurrence, "_call",
+                        lambda ufunc, *a: calls.append(ufunc.__name__) or run(ufunc, *a))
+    y, S_T, cache = gdn_ext.gated_deltanet_forward(x, S, params, return_cache=True, **kw)
+    assert isinstance(cache, LayerCache)
+    dy, dS_T = rng.standard_normal(y.shape), rng.standard_normal(S_T.shape)
+    got = gdn_ext.gated_deltanet_backward(dy, x, S, params, dS_T, cache=cache, **kw)
+    assert [c.endswith("fwd_ckpt") for c in calls] == [True, False]
+    assert calls[1].endswith("bwd_ckpt")
+    y2, S_T2 = gdn_ext.gated_deltanet_forward(x, S, params, **kw)
+    assert np.array_equal(y, y2) and np.array_equal(S_T, S_T2)
+    want = gdn_ext.gated_deltanet_backward(dy, x, S, params, dS_T, **kw)
+    assert np.array_equal(got.dx, want.dx) and np.array_equal(got.d_initial_state,
+                                                             want.d_initial_state)
+    for (name, a), (_, b) in zip(got.dparams, want.dparams):
+        assert np.array_equal(a, b), name
+
+
+def test_backward_refuses_a_cache_of_other_inputs():
+    _, params, x, S = _problem(4)
+    y, _, cache = gdn_ext.gated_deltanet_forward(x, S, params, return_cache=True)
+    with pytest.raises(TypeError, match="cache must be the LayerCache"):
+        gdn_ext.gated_deltanet_backward(y, x, S, params, cache=tuple(cache))
+    with pytest.raises(ValueError, match=r"cache\.h must have shape"):
+        gdn_ext.gated_deltanet_backward(y[:, :4], x[:, :4], S, params, cache=cache)

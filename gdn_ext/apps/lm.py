@@ -112,10 +112,13 @@ class CharLM:
         tokens, targets: int [B, T]. Returns (loss, grads) with grads aligned with arrays()."""
         B, T = tokens.shape
         xs = [self.embed[tokens]]                                  # [B, T, D]
+        caches = []   # each layer's projections, O and checkpoints: one recurrence forward
         for p in self.layers:
-            y, _ = gated_deltanet_forward(xs[-1], None, p, normalize_qk=self.normalize_qk,
-                                          num_threads=num_threads, **self._rule)
+            y, _, cache = gated_deltanet_forward(xs[-1], None, p, normalize_qk=self.normalize_qk,
+                                                 num_threads=num_threads, return_cache=True,
+                                                 **self._rule)
             xs.append(y)
+            caches.append(cache)
         h = rmsnorm(xs[-1], self.norm_weight)
         logits = h.reshape(B * T, -1) @ self.head
         loss, dlogits = cross_entropy(logits, targets.reshape(-1))
@@ -125,9 +128,10 @@ class CharLM:
         dh = (dlogits @ self.head.T).reshape(h.shape)
         dx, dnorm = rmsnorm_backward(dh, xs[-1], self.norm_weight)
         layer_grads = []
-        for p, x in zip(reversed(self.layers), reversed(xs[:-1])):
+        for p, x, cache in zip(reversed(self.layers), reversed(xs[:-1]), reversed(caches)):
             dx, _, dp = gated_deltanet_backward(dx, x, None, p, normalize_qk=self.normalize_qk,
-                                                num_threads=num_threads, **self._rule)
+                                                num_threads=num_threads, cache=cache,
+                                                **self._rule)
             layer_grads.append(dp)
         dembed = np.zeros_like(self.embed)
         np.add.at(dembed, tokens.reshape(-1), dx.reshape(B * T, -1))
