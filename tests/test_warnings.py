@@ -31,10 +31,12 @@ def _caught(call):
 
 
 def _silent(call):
-    """The call issues no warning at all."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        call()
+    """The call issues no warning at all (asserted); returns what it returned."""
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = call()
+    assert [str(r.message) for r in w] == []
+    return out
 
 
 def _expect(w, words, lineno=None):
@@ -98,12 +100,15 @@ def test_small_decay_keeps_big_keys_quiet():
     x["beta"] = np.full((B, T, H), 0.75)
     k = x["k"] * 2                                        # ||k||^2 = 4: beta ||k||^2 = 3
     args = (x["q"], k, x["v"])
-    _silent(lambda: gdn_ext.gated_delta_rule(*args, beta=x["beta"], alpha=np.full((B, T, H), 0.4)))
+    o, _ = _silent(lambda: gdn_ext.gated_delta_rule(*args, beta=x["beta"],
+                                                   alpha=np.full((B, T, H), 0.4)))
+    assert np.all(np.abs(o) < 100)                       # what the quiet case promises: bounded
     w = _caught(lambda: gdn_ext.gated_delta_rule(*args, beta=x["beta"],
                                                  alpha=np.full((B, T, H), 0.6)))
     _expect(w, "beta * ||k||^2 is above 2")
     per_key = np.full((B, T, H, D), 0.4)
-    _silent(lambda: gdn_ext.gated_delta_rule(*args, beta=x["beta"], alpha=per_key))
+    o, _ = _silent(lambda: gdn_ext.gated_delta_rule(*args, beta=x["beta"], alpha=per_key))
+    assert np.all(np.abs(o) < 100)
     per_key[0, 3, 1, 2] = 0.6
     _expect(_caught(lambda: gdn_ext.gated_delta_rule(*args, beta=x["beta"], alpha=per_key)),
             "beta * ||k||^2 is above 2")
@@ -144,7 +149,10 @@ def test_linear_attention_takes_any_beta():
     x, _ = _bad("beta")
     x["k"] = x["k"] * 10
     args = (x.pop("q"), x.pop("k"), x.pop("v"))
-    _silent(lambda: gdn_ext.gated_delta_rule(*args, **x, delta_rule=False))
+    o, S = _silent(lambda: gdn_ext.gated_delta_rule(*args, **x, delta_rule=False))
+    ref = gdn_ext.reference.gated_delta_rule(*args, **x, delta_rule=False)
+    assert np.allclose(o, ref[0], rtol=1e-10, atol=1e-8) and np.allclose(S, ref[1], rtol=1e-10,
+                                                                          atol=1e-8)
     x["alpha"] = x["alpha"] * 3
     _expect(_caught(lambda: gdn_ext.gated_delta_rule(*args, **x, delta_rule=False)),
             "alpha has values outside [0, 1]")
@@ -410,7 +418,15 @@ def test_dask_ordinary_inputs_are_silent():
     def run():
         o, S = gd.gated_delta_rule(q, k, v, **c)
         g = gd.gated_delta_rule_backward(o, q, k, v, **c)
-        dask.compute(o, S, *g)
+        first = dask.compute(o, S, *g)
         o, S = gd.gated_delta_rule(q, k * 10, v, **c, normalize_qk=True)
-        dask.compute(o, S)
-    _silent(run)
+        return first, dask.compute(o, S)
+    (o, S, *g), (o2, S2) = _silent(run)
+    # and the results are NumPy's
+    want = gdn_ext.gated_delta_rule(**x)
+    assert np.allclose(o, want[0], rtol=1e-12, atol=1e-12) and np.allclose(S, want[1], rtol=1e-12,
+                                                                            atol=1e-12)
+    want = gdn_ext.gated_delta_rule(x["q"], x["k"] * 10, x["v"], beta=x["beta"], g=x["g"],
+                                    normalize_qk=True)
+    assert np.allclose(o2, want[0], rtol=1e-12, atol=1e-12)
+    assert len(g) == 6 and all(np.all(np.isfinite(a)) for a in g)
