@@ -350,7 +350,8 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
 
     Raises
     ------
-    ValueError, TypeError as the forward; also dy or dS_T of the wrong shape.
+    ValueError, TypeError as the forward; also dy or dS_T of the wrong shape, a cache that is
+    not a LayerCache (TypeError) or whose h is not x's shape (ValueError).
     """
     x, S = _check(x, S, params)
     normalize_qk = flag(normalize_qk, "normalize_qk")
