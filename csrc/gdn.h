@@ -117,11 +117,14 @@ typedef struct {
  * rule's correction (u_t = beta_t v_t). */
 #define GDN_OPT_NORMALIZE 1
 #define GDN_OPT_LINEAR 2
-/* Value rows of one strip of the backward (a multiple of GDN_ROWS): a strip of G and of one
- * segment's states stays in L1 / L2 while it walks back through the segment. */
+/* Value rows of one strip of the backward (its state rows are padded to a multiple): a strip of G
+ * and of one segment's states stays in L1 / L2 while it walks back through the segment. */
 #ifndef GDN_BWD_ROWS
 #define GDN_BWD_ROWS 16
 #endif
+/* The backward's key rows are padded to a multiple of this many elements (zeros), so that they
+ * are whole vector registers of every build (16 floats: one zmm). */
+#define GDN_BWD_KPAD 16
 /* The backward runs one pair on every thread (strips in parallel) only when pairs * GDN_BWD_SPLIT
  * <= threads; otherwise one thread per pair. */
 #define GDN_BWD_SPLIT 8

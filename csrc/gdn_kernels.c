@@ -84,8 +84,6 @@ static size_t mul_add(size_t a, size_t b, size_t c)
     return a * b + c;
 }
 
-static size_t padded(ptrdiff_t Dv) { return ((size_t)Dv + GDN_ROWS - 1) / GDN_ROWS * GDN_ROWS; }
-
 /* n rounded up to whole cache lines of elements, plus the alignment slack; SIZE_MAX stays */
 static size_t with_slack(size_t n)
 {
@@ -114,30 +112,40 @@ static size_t lines(size_t n)
     return (n + GDN_SCRATCH_SLACK - 1) / GDN_SCRATCH_SLACK * GDN_SCRATCH_SLACK;
 }
 
+/* the backward's padded state sizes: value rows to whole strips, key rows to whole vectors */
+static size_t bwd_rows(ptrdiff_t Dv)
+{
+    return ((size_t)Dv + GDN_BWD_ROWS - 1) / GDN_BWD_ROWS * GDN_BWD_ROWS;
+}
+static size_t bwd_keys(ptrdiff_t Dk)
+{
+    return ((size_t)Dk + GDN_BWD_KPAD - 1) / GDN_BWD_KPAD * GDN_BWD_KPAD;
+}
+
 size_t gdn_bwd_pair_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     const size_t C = (size_t)gdn_checkpoint_interval(T);
     const size_t nseg = T > 0 ? ((size_t)T + C - 1) / C : 0;
-    const size_t DvP = padded(Dv), nstr = (DvP + GDN_BWD_ROWS - 1) / GDN_BWD_ROWS;
-    const size_t NP = 3 * (size_t)Dk + 2;
-    /* checkpoints and G [DvP, Dk]; the strips' summed and separate partial sums [C, NP]; a
-     * segment's q, k, alpha, alpha k [C, Dk], norms, beta [C], v, do [C, DvP] */
+    const size_t DvP = bwd_rows(Dv), K = bwd_keys(Dk), nstr = DvP / GDN_BWD_ROWS;
+    const size_t NP = 3 * K + 2;
+    /* checkpoints and G [DvP, K]; the strips' summed and separate partial sums [C, NP]; a
+     * segment's q, k, alpha, alpha k [C, K], norms, beta [C], v, do [C, DvP] */
     size_t n = mul_add(nseg + 1, DvP, 0);
-    n = mul_add(n, (size_t)Dk, 0);
+    n = mul_add(n, K, 0);
     n = mul_add(mul_add(nstr + 1, NP, 0), C, n);
-    n = mul_add(C, 4 * (size_t)Dk + 3 + 2 * DvP, n);
+    n = mul_add(C, 4 * K + 3 + 2 * DvP, n);
     return lines(n);
 }
 
 size_t gdn_bwd_thread_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     const size_t C = (size_t)gdn_checkpoint_interval(T);
-    const size_t R = padded(Dv) < GDN_BWD_ROWS ? padded(Dv) : GDN_BWD_ROWS;
-    /* the checkpoint pass's forward workspace; a strip's S_{t-1} [C, R, Dk] and v - p [C, R],
-     * three Dk vectors */
+    const size_t R = GDN_BWD_ROWS, K = bwd_keys(Dk);
+    /* the checkpoint pass's forward workspace; a strip's S_{t-1} [C, R, K] and v - p [C, R],
+     * three K vectors */
     size_t fwd = gdn_fwd_workspace_len(T, Dk, Dv);
     if (fwd == SIZE_MAX) return SIZE_MAX;
-    size_t n = mul_add(mul_add(C, R, 0), (size_t)Dk + 1, 3 * (size_t)Dk);
+    size_t n = mul_add(mul_add(C, R, 0), K + 1, 3 * K);
     return lines(mul_add(1, n, fwd - GDN_SCRATCH_SLACK));
 }
 
