@@ -461,6 +461,153 @@ def contention(B, T, H, D, threads, repeat, busy=None, log=print):
                 ratio=t_def / t_one, cap_at_end=cap)
 
 
+def _target_row(rows, log, target, what, value, bound, unit="x"):
+    """One row of the training targets: value against its bound (lower is better unless the bound
+    is written as a minimum, ">= b")."""
+    at_least = bound.startswith(">=")
+    b = float(bound.lstrip("<>= "))
+    met = value >= b if at_least else value <= b
+    rows.append(dict(target=target, what=what, value=value, bound=bound, unit=unit, met=met))
+    log(f"  {target:<3} {what:<68} {value:9.3g} {unit:<3} {bound:<8} {'met' if met else 'NOT met'}")
+
+
+def training_targets(threads=None, repeat=3, T=2048, BH=4, dims=(64, 128, 256), log=print):
+    """The training targets as ratios measured in this run (the FMA probe of the same run for
+    "x peak"): backward / forward on one thread for both dtypes, Dk = Dv in ``dims``, scalar and
+    per-key gates (with the forward's checkpoints handed over, and with its own checkpoint pass);
+    the forward with checkpoints / the plain forward; the torch path / the NumPy calls it makes;
+    transformers' chunked fallback / gdn_ext (forward + backward); the forward on all threads
+    against their FMA peak; few pairs on all threads against one thread; decoding steps."""
+    threads = threads or _core._threads_for(1 << 30)
+    rows = []
+    log(f"training targets: T={T}, B*H={BH}, median of {repeat}; all threads = {threads}")
+    peak = {(dt, n): _core.fma_peak(dt == np.float64, n, 0.3)
+            for dt in (np.float32, np.float64) for n in sorted({1, threads})}
+
+    def calls(x, nt, **kw):
+        args = (x["q"], x["k"], x["v"])
+        rest = dict(beta=x["beta"], g=x["g"], num_threads=nt, check_values=False, **kw)
+        o, _, ck = gdn_ext.gated_delta_rule(*args, **rest, return_checkpoints=True)
+        do = np.ones_like(o)
+        return (lambda: gdn_ext.gated_delta_rule(*args, **rest),
+                lambda: gdn_ext.gated_delta_rule(*args, **rest, return_checkpoints=True),
+                lambda: gdn_ext.gated_delta_rule_backward(do, *args, **rest, checkpoints=ck),
+                lambda: gdn_ext.gated_delta_rule_backward(do, *args, **rest))
+
+    for dt in (np.float32, np.float64):
+        name = np.dtype(dt).name
+        for D in dims:
+            for per_key in (False, True):
+                gate = "per-key" if per_key else "scalar"
+                x = _inputs(1, T, BH, D, dt, per_key=per_key)
+                f, fc, bc, b = (_timeit(fn, repeat) for fn in calls(x, 1))
+                tag = f"{name} D={D} {gate}"
+                log(f"      {tag}: forward {f * 1e3:.2f} ms = "
+                    f"{7 * D * D * BH * T / f / 1e9 / peak[dt, 1]:.2f} x peak (1 thread)")
+                _target_row(rows, log, "1", f"backward with checkpoints / forward, {tag}",
+                            bc / f, "<= 3.0")
+                _target_row(rows, log, "1", f"backward (own checkpoints) / forward, {tag}",
+                            b / f, "<= 3.5")
+                _target_row(rows, log, "2", f"forward with checkpoints / forward, {tag}",
+                            fc / f, "<= 1.1")
+    _torch_targets(rows, log, threads, repeat, T, BH)
+    for dt in (np.float32, np.float64):
+        name = np.dtype(dt).name
+        for per_key in (False, True):
+            x = _inputs(1, T, 64, 128, dt, per_key=per_key)
+            f, fc, bc, b = (_timeit(fn, repeat) for fn in calls(x, threads))
+            gate = "per-key" if per_key else "scalar"
+            _target_row(rows, log, "4", f"forward, B*H=64, {threads} threads, {name} {gate}",
+                        7 * 128 * 128 * 64 * T / f / 1e9 / peak[dt, threads], ">= 0.5", "peak")
+            _target_row(rows, log, "4", f"backward / forward, B*H=64, {threads} threads, "
+                        f"{name} {gate}", b / f, "<= 3.5")
+    x = _inputs(1, 1024, 4, 128, np.float32)
+    one = _timeit(calls(x, 1)[0], repeat)
+    many = _timeit(calls(x, threads)[0], repeat)
+    _target_row(rows, log, "4", f"forward B=1 H=4 T=1024: 1 thread / {threads} threads", one / many,
+                ">= 6", "x")
+    _decode_targets(rows, log, threads)
+    return dict(threads=threads, T=T, BH=BH, fma_peak_gflops={
+        f"{np.dtype(dt).name} {n} threads": p for (dt, n), p in peak.items()}, rows=rows)
+
+
+def _torch_targets(rows, log, threads, repeat, T, BH):
+    """Target 2 (torch path against the NumPy calls it makes) and 3 (transformers' chunked
+    fallback against gdn_ext), float32, D = 128, scalar gate."""
+    try:
+        import torch
+        import gdn_ext.torch as gt
+    except ImportError:
+        log("      (torch is not installed: targets 2 and 3 skipped)")
+        return
+    x = _inputs(1, T, BH, 128, np.float32)
+    t = {n: torch.from_numpy(a) for n, a in x.items()}
+    for nt in sorted({1, threads}):
+        torch.set_num_threads(nt)
+        args = (x["q"], x["k"], x["v"])
+        rest = dict(beta=x["beta"], g=x["g"], num_threads=nt, check_values=False)
+        do = np.ones_like(x["v"])
+
+        def numpy_pair():
+            o, _, ck = gdn_ext.gated_delta_rule(*args, **rest, return_checkpoints=True)
+            gdn_ext.gated_delta_rule_backward(do, *args, **rest, checkpoints=ck)
+
+        def torch_path():
+            leaves = {n: a.clone().requires_grad_() for n, a in t.items()}
+            o, _ = gt.gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], beta=leaves["beta"],
+                                       g=leaves["g"], num_threads=nt, check_values=False)
+            o.sum().backward()
+        tp = _timeit(torch_path, repeat)
+        _target_row(rows, log, "2", f"gdn_ext.torch fwd+bwd / NumPy fwd_ckpt+bwd_ckpt, {nt} thr",
+                    tp / _timeit(numpy_pair, repeat), "<= 1.05")
+        try:
+            import transformers.models.qwen3_next.modeling_qwen3_next as q3
+        except ImportError:
+            continue
+
+        def hf_both():
+            leaves = {n: a.clone().requires_grad_() for n, a in t.items()}
+            o, _ = q3.torch_chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"],
+                                                   g=leaves["g"], beta=leaves["beta"])
+            o.sum().backward()
+        _target_row(rows, log, "3", f"transformers chunk fwd+bwd / gdn_ext.torch fwd+bwd, {nt} thr",
+                    _timeit(hf_both, repeat) / tp, ">= 5")
+    torch.set_num_threads(threads)
+
+
+def _decode_targets(rows, log, threads, H=32, D=128, steps=200):
+    """Target 5: one decoding step, B = 1, H = 32, Dk = Dv = 128, float32 (ggml's shape)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, H, D)).astype(np.float32) for _ in range(3))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    beta = np.full((1, H), 0.5, np.float32)
+    alpha = np.full((1, H), 0.97, np.float32)
+    state = np.zeros((1, H, D, D), np.float32)
+
+    def median_us(fn):
+        fn()
+        ts = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e6
+    res = {}
+    for nt in sorted({1, threads}):
+        kw = dict(beta=beta, alpha=alpha, num_threads=nt, check_values=False)
+        res[nt, True] = median_us(lambda: gdn_ext.gated_delta_rule_step(
+            q, k, v, state=state, inplace=True, **kw))
+        res[nt, False] = median_us(lambda: gdn_ext.gated_delta_rule_step(q, k, v, state=state, **kw))
+    dflt = median_us(lambda: gdn_ext.gated_delta_rule_step(q, k, v, state=state, inplace=True,
+                                                           beta=beta, alpha=alpha,
+                                                           check_values=False))
+    _target_row(rows, log, "5", "decode step in place, 1 thread", res[1, True], "<= 300", "us")
+    _target_row(rows, log, "5", "decode step in place, default threads", dflt, "<= 50", "us")
+    for nt in sorted({1, threads}):
+        _target_row(rows, log, "5", f"decode step returning a new state / in place, {nt} thr",
+                    res[nt, False] / res[nt, True], "<= 1.3")
+
+
 def _print_table(table, t_f, t_fb, ceiling, log):
     log(f"\n{'':<74}{'time':>10}{'tokens/s':>12}{'GFLOP/s':>9}{'x peak':>8}{'x matmul':>10}"
         f"{'slower than gdn_ext: fwd':>27}{'f+b':>9}")
@@ -524,12 +671,21 @@ def main(argv=None):
                     help="only the thread-scaling run, for these thread counts (e.g. 1 2 4 8 16)")
     ap.add_argument("--padded", action="store_true",
                     help="only the padded-batch row (padded against ordinary inputs, 1 thread)")
+    ap.add_argument("--targets", action="store_true",
+                    help="only the training targets (ratios measured in one run, each against "
+                         "its bound)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--plot", metavar="FILE.png")
     a = ap.parse_args(argv)
     if a.scaling:
         res = thread_scaling(B=a.batch, T=a.seq_len, H=a.heads, D=a.head_dim,
                              thread_counts=tuple(a.scaling), repeat=a.repeat)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
+    if a.targets:
+        res = dict(training_targets=training_targets(a.threads, a.repeat))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)
