@@ -53,11 +53,12 @@ def _pick_gate(alpha, g):
 
 def _with_axis(a, axis, name, layout):
     """``a`` with a new axis of size 1 at ``axis``; ValueError (not IndexError) when ``a`` has
-    too few dimensions for that, e.g. a scalar where an array is required."""
+    too few dimensions for that, e.g. a scalar where an array is required. ``layout()`` gives the
+    expected layout for the message (built only then: decoding calls this per token)."""
     if a.ndim < axis:
         got = "a scalar" if a.ndim == 0 else f"shape {fmt(a.shape)}"
-        raise ValueError(f"{name} must be an array of shape {layout}; got {got}")
-    return np.expand_dims(a, axis)
+        raise ValueError(f"{name} must be an array of shape {layout()}; got {got}")
+    return a.reshape(a.shape[:axis] + (1,) + a.shape[axis:])
 
 
 class _Problem:
@@ -105,14 +106,16 @@ class _Problem:
         s0 = None if s0 is None else as_real_array(s0, n.state)
         if n.step:   # one token: add the T axis
             q = q[:, None]
-            k = _with_axis(k, 1, n.k, n.lay("B", "Dk") if sh else n.lay("B", "H", "Dk"))
-            v = _with_axis(v, 1, n.v, n.lay("B", "Dv") if sh else n.lay("B", "HV", "Dv"))
-            beta = _with_axis(beta, 1, "beta", "[B]" if sh else "[B, HV]")
-            gate = _with_axis(gate, 1, self.gate_name, "[B]" if sh else "[B, HV]")
+            k = _with_axis(k, 1, n.k,
+                           lambda: n.lay("B", "Dk") if sh else n.lay("B", "H", "Dk"))
+            v = _with_axis(v, 1, n.v,
+                           lambda: n.lay("B", "Dv") if sh else n.lay("B", "HV", "Dv"))
+            beta = _with_axis(beta, 1, "beta", lambda: "[B]" if sh else "[B, HV]")
+            gate = _with_axis(gate, 1, self.gate_name, lambda: "[B]" if sh else "[B, HV]")
         if sh:       # the design note's single-head form is H = HV = 1
             q = q[:, :, None]
-            k = _with_axis(k, 2, n.k, n.lay("B", "T", "Dk"))
-            v = _with_axis(v, 2, n.v, n.lay("B", "T", "Dv"))
+            k = _with_axis(k, 2, n.k, lambda: n.lay("B", "T", "Dk"))
+            v = _with_axis(v, 2, n.v, lambda: n.lay("B", "T", "Dv"))
         return q, k, v, beta, gate, s0
 
     # 2. the shapes -----------------------------------------------------------------------------
@@ -123,21 +126,21 @@ class _Problem:
         if Dk == 0:
             raise ValueError(f"{n.q} and {n.k} must have Dk >= 1 key channels; got "
                              f"{n.q} of shape {fmt(n.user(q.shape, sh))}")
-        q_lay = n.lay("B", "T", "Dk") if sh else n.lay("B", "T", "H", "Dk")
         if k.shape != q.shape:
+            q_lay = n.lay("B", "T", "Dk") if sh else n.lay("B", "T", "H", "Dk")
             raise ValueError(f"{n.k} must have shape {q_lay} (the shape of {n.q}) = "
                              f"{fmt(n.user(q.shape, sh))}; got {fmt(n.user(k.shape, sh))}")
-        v_user = fmt(n.user(v.shape, sh))
+        v_user = lambda: fmt(n.user(v.shape, sh))  # noqa: E731  (messages only: decoding)
         if v.ndim != 4 or v.shape[:2] != (B, T) or (sh and v.shape[2] != 1):
             want = n.user([B, T, "Dv"] if sh else [B, T, H, "Dv"])
             raise ValueError(f"{n.v} must have shape "
                              f"{n.lay('B', 'T', 'Dv') if sh else n.lay('B', 'T', 'H', 'Dv')} = "
-                             f"{fmt(want)}; got {v_user}")
+                             f"{fmt(want)}; got {v_user()}")
         if v.shape[2] % H if H else v.shape[2]:
             raise ValueError(f"{n.v} must have shape {n.lay('B', 'T', 'H', 'Dv')} = "
                              f"{fmt(n.user([B, T, H, 'Dv']))}, or {n.lay('B', 'T', 'HV', 'Dv')} "
                              f"with HV a multiple of H = {H} (grouped value heads: value head hv "
-                             f"reads query/key head hv // (HV / H)); got {v_user}")
+                             f"reads query/key head hv // (HV / H)); got {v_user()}")
         HV, Dv = v.shape[2], v.shape[3]
         self.B, self.T, self.H, self.HV, self.Dk, self.Dv = B, T, H, HV, Dk, Dv
         self.G = HV // H if H else 1      # no heads at all: nothing to compute
@@ -147,16 +150,16 @@ class _Problem:
         self.gate_shape, self.beta_shape = gate.shape, beta.shape
         per_head = {(B, T), (B, T, 1)} if sh else {(B, T, HV)}
         per_key = (B, T, Dk) if sh else (B, T, HV, Dk)
-        head_lay = (n.lay("B", "T") + " or " + n.lay("B", "T", "1") if sh
-                    else n.lay("B", "T", heads))
-        head_user = fmt(n.user((B, T) if sh else (B, T, HV)))
+        head_lay = lambda: (n.lay("B", "T") + " or " + n.lay("B", "T", "1")  # noqa: E731
+                            if sh else n.lay("B", "T", heads))
+        head_user = lambda: fmt(n.user((B, T) if sh else (B, T, HV)))  # noqa: E731
         if beta.shape not in per_head:
-            raise ValueError(f"beta must have shape {head_lay} = {head_user}; got "
+            raise ValueError(f"beta must have shape {head_lay()} = {head_user()}; got "
                              f"{fmt(n.user(beta.shape))}")
         self.per_key = gate.shape == per_key and gate.shape not in per_head
         if gate.shape not in per_head and not self.per_key:
             key_lay = n.lay("B", "T", "Dk") if sh else n.lay("B", "T", heads, "Dk")
-            raise ValueError(f"{self.gate_name} must have shape {head_lay} = {head_user} (one "
+            raise ValueError(f"{self.gate_name} must have shape {head_lay()} = {head_user()} (one "
                              f"gate per head) or {key_lay} = {fmt(n.user(per_key))} (one per key "
                              f"channel); got {fmt(n.user(gate.shape))}")
 

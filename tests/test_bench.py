@@ -36,3 +36,14 @@ def test_bench_rows_include_the_peers(capsys):
     bench.main(["--quick"])
     out = capsys.readouterr().out
     assert "design-note loop in torch, forward" in out
+
+
+def test_bench_targets_rows(tmp_path, capsys):
+    """``bench --targets``: a row per training target (1 to 5), each a positive ratio with its
+    bound and whether it is met."""
+    assert bench.main(["--targets", "--quick", "--json", str(tmp_path / "t.json")]) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())["training_targets"]["rows"]
+    assert {r["target"] for r in rows} >= {"1", "2", "4", "5"}
+    assert all(r["value"] > 0 and r["met"] in (True, False) for r in rows)
+    out = capsys.readouterr().out
+    assert "backward with checkpoints / forward" in out and "decode step in place" in out

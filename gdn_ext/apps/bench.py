@@ -471,13 +471,16 @@ def _target_row(rows, log, target, what, value, bound, unit="x"):
     log(f"  {target:<3} {what:<68} {value:9.3g} {unit:<3} {bound:<8} {'met' if met else 'NOT met'}")
 
 
-def training_targets(threads=None, repeat=3, T=2048, BH=4, dims=(64, 128, 256), log=print):
+def training_targets(threads=None, repeat=3, T=2048, BH=4, dims=(64, 128, 256), many_BH=64,
+                     few_T=1024, decode=(32, 128, 200), log=print):
     """The training targets as ratios measured in this run (the FMA probe of the same run for
     "x peak"): backward / forward on one thread for both dtypes, Dk = Dv in ``dims``, scalar and
     per-key gates (with the forward's checkpoints handed over, and with its own checkpoint pass);
     the forward with checkpoints / the plain forward; the torch path / the NumPy calls it makes;
     transformers' chunked fallback / gdn_ext (forward + backward); the forward on all threads
-    against their FMA peak; few pairs on all threads against one thread; decoding steps."""
+    against their FMA peak (B*H = ``many_BH``, Dk = Dv = 128); few pairs (B = 1, H = 4, T =
+    ``few_T``) on all threads against one thread; decoding steps (``decode`` = (H, D, steps)).
+    Returns a dict with ``rows``: target, what, value, bound, unit, met."""
     threads = threads or _core._threads_for(1 << 30)
     rows = []
     log(f"training targets: T={T}, B*H={BH}, median of {repeat}; all threads = {threads}")
@@ -510,37 +513,38 @@ def training_targets(threads=None, repeat=3, T=2048, BH=4, dims=(64, 128, 256), 
                             b / f, "<= 3.5")
                 _target_row(rows, log, "2", f"forward with checkpoints / forward, {tag}",
                             fc / f, "<= 1.1")
-    _torch_targets(rows, log, threads, repeat, T, BH)
+    D = 128 if 128 in dims else dims[-1]   # targets 2 to 4: the usual head width
+    _torch_targets(rows, log, threads, repeat, T, BH, D)
     for dt in (np.float32, np.float64):
         name = np.dtype(dt).name
         for per_key in (False, True):
-            x = _inputs(1, T, 64, 128, dt, per_key=per_key)
+            x = _inputs(1, T, many_BH, D, dt, per_key=per_key)
             f, fc, bc, b = (_timeit(fn, repeat) for fn in calls(x, threads))
             gate = "per-key" if per_key else "scalar"
-            _target_row(rows, log, "4", f"forward, B*H=64, {threads} threads, {name} {gate}",
-                        7 * 128 * 128 * 64 * T / f / 1e9 / peak[dt, threads], ">= 0.5", "peak")
-            _target_row(rows, log, "4", f"backward / forward, B*H=64, {threads} threads, "
+            _target_row(rows, log, "4", f"forward, B*H={many_BH}, {threads} threads, {name} {gate}",
+                        7 * D * D * many_BH * T / f / 1e9 / peak[dt, threads], ">= 0.5", "peak")
+            _target_row(rows, log, "4", f"backward / forward, B*H={many_BH}, {threads} threads, "
                         f"{name} {gate}", b / f, "<= 3.5")
-    x = _inputs(1, 1024, 4, 128, np.float32)
+    x = _inputs(1, few_T, 4, D, np.float32)
     one = _timeit(calls(x, 1)[0], repeat)
     many = _timeit(calls(x, threads)[0], repeat)
-    _target_row(rows, log, "4", f"forward B=1 H=4 T=1024: 1 thread / {threads} threads", one / many,
-                ">= 6", "x")
-    _decode_targets(rows, log, threads)
+    _target_row(rows, log, "4", f"forward B=1 H=4 T={few_T}: 1 thread / {threads} threads",
+                one / many, ">= 6", "x")
+    _decode_targets(rows, log, threads, *decode)
     return dict(threads=threads, T=T, BH=BH, fma_peak_gflops={
         f"{np.dtype(dt).name} {n} threads": p for (dt, n), p in peak.items()}, rows=rows)
 
 
-def _torch_targets(rows, log, threads, repeat, T, BH):
+def _torch_targets(rows, log, threads, repeat, T, BH, D):
     """Target 2 (torch path against the NumPy calls it makes) and 3 (transformers' chunked
-    fallback against gdn_ext), float32, D = 128, scalar gate."""
+    fallback against gdn_ext), float32, Dk = Dv = D, scalar gate."""
     try:
         import torch
         import gdn_ext.torch as gt
     except ImportError:
         log("      (torch is not installed: targets 2 and 3 skipped)")
         return
-    x = _inputs(1, T, BH, 128, np.float32)
+    x = _inputs(1, T, BH, D, np.float32)
     t = {n: torch.from_numpy(a) for n, a in x.items()}
     for nt in sorted({1, threads}):
         torch.set_num_threads(nt)
@@ -673,7 +677,7 @@ def main(argv=None):
                     help="only the padded-batch row (padded against ordinary inputs, 1 thread)")
     ap.add_argument("--targets", action="store_true",
                     help="only the training targets (ratios measured in one run, each against "
-                         "its bound)")
+                         "its bound; with --quick, tiny sizes)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--plot", metavar="FILE.png")
     a = ap.parse_args(argv)
@@ -685,7 +689,9 @@ def main(argv=None):
                 json.dump(res, f, indent=1)
         return 0
     if a.targets:
-        res = dict(training_targets=training_targets(a.threads, a.repeat))
+        kw = dict(T=64, BH=2, dims=(16,), many_BH=4, few_T=64, decode=(2, 16, 5),
+                  repeat=1) if a.quick else dict(repeat=a.repeat)
+        res = dict(training_targets=training_targets(a.threads, **kw))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)
