@@ -76,8 +76,8 @@ def checkpoint_interval(T: int) -> int:
     """C, the number of steps between state checkpoints in the backward pass: ceil(sqrt(T)).
 
     The backward holds ceil(T/C) + 1 states of Dv*Dk numbers per (sequence, head) pair in flight
-    (the checkpoints and dL/dS_t), plus one segment of C states of a strip of 16 value rows per
-    thread. Raises TypeError for a T that is not an int, ValueError for T < 0 or T >= 2**62."""
+    (the checkpoints and dL/dS_t; Dv and Dk rounded up to multiples of 16), plus one segment of C
+    states of a strip of 16 value rows per thread. Raises TypeError for a T that is not an int, ValueError for T < 0 or T >= 2**62."""
     return int(_core.checkpoint_interval(sequence_length(T)))
 
 
