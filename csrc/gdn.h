@@ -125,6 +125,11 @@ typedef struct {
 /* The backward's key rows are padded to a multiple of this many elements (zeros), so that they
  * are whole vector registers of every build (16 floats: one zmm). */
 #define GDN_BWD_KPAD 16
+/* The backward runs its passes on blocks of a strip's rows; a block of two states' rows (G and
+ * S_{t-1}) should stay within this many bytes (within L1 with room for the token's vectors). */
+#ifndef GDN_BWD_BLOCK_BYTES
+#define GDN_BWD_BLOCK_BYTES 24576
+#endif
 /* The backward runs one pair on every thread (strips in parallel) only when pairs * GDN_BWD_SPLIT
  * <= threads; otherwise one thread per pair. */
 #define GDN_BWD_SPLIT 8

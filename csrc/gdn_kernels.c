@@ -142,10 +142,10 @@ size_t gdn_bwd_thread_len(ptrdiff_t T, ptrdiff_t Dk, ptrdiff_t Dv)
     const size_t C = (size_t)gdn_checkpoint_interval(T);
     const size_t R = GDN_BWD_ROWS, K = bwd_keys(Dk);
     /* the checkpoint pass's forward workspace; a strip's S_{t-1} [C, R, K] and v - p [C, R],
-     * three K vectors */
+     * four K vectors */
     size_t fwd = gdn_fwd_workspace_len(T, Dk, Dv);
     if (fwd == SIZE_MAX) return SIZE_MAX;
-    size_t n = mul_add(mul_add(C, R, 0), K + 1, 3 * K);
+    size_t n = mul_add(mul_add(C, R, 0), K + 1, 4 * K);
     return lines(mul_add(1, n, fwd - GDN_SCRATCH_SLACK));
 }
 
