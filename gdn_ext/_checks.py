@@ -113,12 +113,52 @@ def compute_dtype(arrays):
     return f32 if all(np.can_cast(d, f32, "safe") for d in dtypes) else np.dtype(np.float64)
 
 
-# Elements converted per piece by `converted`: a few milliseconds of work.
-_PIECE = 1 << 21
+# Elements per piece of `converted` and `pieces`: well under a millisecond of work.
+_PIECE = 1 << 18
 
 
-def converted(a, dtype, fn=None):
-    """``fn(a)`` (or ``a``) as ``dtype``, computed piece by piece along ``a``'s leading axes.
+def pieces(shape):
+    """Index tuples that cut an array of ``shape`` (C order) into pieces of about ``_PIECE``
+    elements along its leading axes; each piece of a C-contiguous array is contiguous."""
+    if int(np.prod(shape, dtype=np.int64)) <= _PIECE:
+        return [()]
+    # the first axis whose trailing block fits in a piece; steps of several of its entries
+    axis, block = len(shape) - 1, 1
+    while axis > 0 and block * shape[axis] <= _PIECE:
+        block *= shape[axis]
+        axis -= 1
+    step = max(1, _PIECE // max(1, int(np.prod(shape[axis + 1:], dtype=np.int64))))
+    return [lead + (slice(s, s + step),)
+            for lead in np.ndindex(*shape[:axis]) for s in range(0, shape[axis], step)]
+
+
+def run_pieces(work, items, num_threads=1):
+    """``work(item)`` for every item: in order on the calling thread, or on up to
+    ``num_threads`` threads when there are several items (NumPy's loops release the GIL, so
+    pieces of an elementwise operation run in parallel). The work must write disjoint outputs:
+    each element is then computed by the same code whatever the thread count. The threads live
+    for this call only (nothing is left behind for a fork). Ctrl-C: items not yet started are
+    dropped and the KeyboardInterrupt propagates once the running ones end."""
+    n = min(num_threads, len(items))
+    if n <= 1:
+        for item in items:
+            work(item)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(n, thread_name_prefix="gdn_ext-piece") as pool:
+        futures = [pool.submit(work, item) for item in items]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def converted(a, dtype, fn=None, num_threads=1):
+    """``fn(a)`` (or ``a``) as ``dtype``, computed piece by piece along ``a``'s leading axes, on
+    up to ``num_threads`` threads (`run_pieces`).
 
     NumPy converts a whole array in one C call, with no check for signals; one conversion of a
     large input (float32 to float64: seconds) would delay Ctrl-C until it ends. Between pieces
@@ -129,19 +169,12 @@ def converted(a, dtype, fn=None):
         return a
     if a.size <= _PIECE:
         return (a if fn is None else fn(a.astype(dtype, copy=False))).astype(dtype, copy=False)
-    # the first axis whose trailing block fits in a piece; steps of several of its entries
-    axis, block = a.ndim - 1, 1
-    while axis > 0 and block * a.shape[axis] <= _PIECE:
-        block *= a.shape[axis]
-        axis -= 1
-    block_axis = a.shape[axis + 1:] if axis + 1 < a.ndim else ()
-    step = max(1, _PIECE // max(1, int(np.prod(block_axis, dtype=np.int64))))
     out = np.empty(a.shape, dtype)
-    for lead in np.ndindex(*a.shape[:axis]):
-        for s in range(0, a.shape[axis], step):
-            sl = lead + (slice(s, s + step),)
-            piece = a[sl]
-            out[sl] = piece if fn is None else fn(piece.astype(dtype, copy=False))
+
+    def one(sl):
+        piece = a[sl]
+        out[sl] = piece if fn is None else fn(piece.astype(dtype, copy=False))
+    run_pieces(one, pieces(a.shape), num_threads)
     return out
 
 

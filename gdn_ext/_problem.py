@@ -67,8 +67,11 @@ class _Problem:
     shapes of gated_delta_rule_step instead (no T axis)."""
 
     def __init__(self, q, k, v, beta, alpha, g, initial_state, scale, normalize_qk=False,
-                 cu_seqlens=None, extra=(), step=False, check_values=True, delta_rule=True):
+                 cu_seqlens=None, extra=(), step=False, check_values=True, delta_rule=True,
+                 num_threads=1):
         self.names = _Names(step)
+        # threads for the conversions of large inputs (run_pieces); 0: OpenMP's default count
+        self.num_threads = num_threads if num_threads > 0 else _core._threads_for(1 << 16)
         self.scale = real_scalar(scale, "scale")
         self.normalize_qk = flag(normalize_qk, "normalize_qk")
         check_values = flag(check_values, "check_values")
@@ -228,14 +231,15 @@ class _Problem:
         the general ufunc, which reads [.., T, Dk])."""
         B, T, HV, Dk = self.B, self.T, self.HV, self.Dk
         # converted here, not by the ufunc: in pieces, so that Ctrl-C is not held up
-        q, k, v, beta = (converted(a, self.dtype) for a in (q, k, v, beta))
-        s0 = None if s0 is None else converted(s0, self.dtype)
+        nt = self.num_threads
+        q, k, v, beta = (converted(a, self.dtype, num_threads=nt) for a in (q, k, v, beta))
+        s0 = None if s0 is None else converted(s0, self.dtype, num_threads=nt)
         self.q, self.k = self.qk_view(q), self.qk_view(k)
         self.v = self.seq_view(v.reshape(B, T, HV, self.Dv))
         if self.gate_name == "g":
-            gate = converted(gate, self.dtype, np.exp)
+            gate = converted(gate, self.dtype, np.exp, nt)
         else:
-            gate = converted(gate, self.dtype)
+            gate = converted(gate, self.dtype, num_threads=nt)
         gate = gate.reshape((B, T, HV, Dk) if self.per_key else (B, T, HV))
         self.alpha = self.seq_view(gate) if self.per_key else self.head_view(gate)
         if self.general and not self.per_key:

@@ -11,8 +11,8 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._native import _core
-from ._checks import (as_real_array, context_threads, converted, expect_shape, flag,
-                      sequence_length, thread_count, warn)
+from ._checks import (as_real_array, context_threads, converted, expect_shape, flag, pieces,
+                      run_pieces, sequence_length, thread_count, warn)
 from ._problem import _Problem
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, StepResult
 
@@ -228,7 +228,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     output_final_state = flag(output_final_state, "output_final_state")
     return_checkpoints = flag(return_checkpoints, "return_checkpoints")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
-                 check_values=check_values, delta_rule=delta_rule)
+                 check_values=check_values, delta_rule=delta_rule, num_threads=nt)
     if return_checkpoints:
         o, S_T, ck = _forward(p, nt, checkpoints=True)
         return p.user_seq(o), (S_T if output_final_state else None), ck
@@ -301,8 +301,8 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     dST = None if dS_T is None else as_real_array(dS_T, "dS_T")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
                  extra=[do] + ([dST] if dST is not None else []), check_values=check_values,
-                 delta_rule=delta_rule)
-    do_k, dST_k = _checked_output_grads(p, converted(do, p.dtype),
+                 delta_rule=delta_rule, num_threads=nt)
+    do_k, dST_k = _checked_output_grads(p, converted(do, p.dtype, num_threads=nt),
                                         None if dST is None else converted(dST, p.dtype))
     args = (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args()
     if checkpoints is None:
@@ -360,7 +360,10 @@ def _user_grads(p, dq, dk, dv, dalpha, dbeta, dS0):
         # dg = alpha * dalpha, alpha in the kernels' [B, H, G, T(, Dk)] view
         alpha_k = p.alpha[..., 0] if (p.general and not p.per_key) else p.alpha
         a = alpha_k.transpose(0, 3, 1, 2, 4) if p.per_key else alpha_k.transpose(0, 3, 1, 2)
-        dg = (a.reshape(dalpha.shape) * dalpha).astype(p.dtype, copy=False)
+        a = a.reshape(dalpha.shape)
+        dg = np.empty(dalpha.shape, p.dtype)
+        run_pieces(lambda sl: np.multiply(a[sl], dalpha[sl], out=dg[sl]), pieces(dg.shape),
+                   p.num_threads)
         return GatedDeltaRuleGradsG(dq, dk, dv, dbeta, dg.reshape(p.gate_shape), dS0)
     return GatedDeltaRuleGrads(dq, dk, dv, dbeta, dalpha.reshape(p.gate_shape), dS0)
 

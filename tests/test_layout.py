@@ -30,6 +30,36 @@ def test_results_identical_with_1_and_2_threads(dtype):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_large_inputs_converted_in_pieces_on_threads(threads):
+    """A per-key log gate and float32 inputs of a float64 call, each several pieces long
+    (_checks._PIECE elements): exp(g) and the casts run piece by piece on `threads` threads and
+    give the bits NumPy gives on the whole array, so the results are those of one thread; run
+    5 times per thread count, with a gradient dg = alpha * dalpha cut into pieces as well."""
+    from gdn_ext import _checks
+    rng = np.random.default_rng(41)
+    B, T, H, D = 1, 600, 2, 512   # 600 * 2 * 512 = 2.3 pieces
+    assert B * T * H * D > 2 * _checks._PIECE
+    q, k, v = (rng.standard_normal((B, T, H, D)).astype(np.float32) for _ in range(3))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = np.log(rng.uniform(0.9, 1.0, (B, T, H, D)))
+    beta = rng.uniform(0.1, 0.9, (B, T, H))
+    do = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    kw = dict(beta=beta, g=g, check_values=False)
+    ref_o, _ = gdn_ext.gated_delta_rule(q.astype(np.float64), k.astype(np.float64),
+                                        v.astype(np.float64), beta=beta, alpha=np.exp(g),
+                                        check_values=False, num_threads=1)
+    ref_g = gdn_ext.gated_delta_rule_backward(do, q, k, v, **kw, num_threads=1)
+    for _ in range(5):
+        o, _ = gdn_ext.gated_delta_rule(q, k, v, **kw, num_threads=threads)
+        np.testing.assert_array_equal(o, ref_o)
+        grads = gdn_ext.gated_delta_rule_backward(do, q, k, v, **kw, num_threads=threads)
+        for a, b in zip(grads, ref_g):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(ref_g.dg, np.exp(g) * gdn_ext.gated_delta_rule_backward(
+        do, q, k, v, beta=beta, alpha=np.exp(g), check_values=False, num_threads=1).dalpha)
+
+
 def test_threadpoolctl_limit_is_respected():
     """num_threads=None leaves the count to OpenMP, so threadpoolctl's limit applies."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
