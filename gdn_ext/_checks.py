@@ -158,7 +158,7 @@ def run_pieces(work, items, num_threads=1):
 
 def converted(a, dtype, fn=None, num_threads=1):
     """``fn(a)`` (or ``a``) as ``dtype``, computed piece by piece along ``a``'s leading axes, on
-    up to ``num_threads`` threads (`run_pieces`).
+    up to ``num_threads`` threads (`run_pieces`); ``fn`` is a NumPy ufunc (it takes ``out=``).
 
     NumPy converts a whole array in one C call, with no check for signals; one conversion of a
     large input (float32 to float64: seconds) would delay Ctrl-C until it ends. Between pieces
@@ -171,9 +171,11 @@ def converted(a, dtype, fn=None, num_threads=1):
         return (a if fn is None else fn(a.astype(dtype, copy=False))).astype(dtype, copy=False)
     out = np.empty(a.shape, dtype)
 
-    def one(sl):
-        piece = a[sl]
-        out[sl] = piece if fn is None else fn(piece.astype(dtype, copy=False))
+    def one(sl):   # into out, with no temporary
+        if fn is None:
+            out[sl] = a[sl]
+        else:
+            fn(a[sl].astype(dtype, copy=False), out=out[sl])
     run_pieces(one, pieces(a.shape), num_threads)
     return out
 
