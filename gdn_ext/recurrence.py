@@ -101,6 +101,19 @@ def _call(ufunc, args, out, num_threads):
         _core._call_end()
 
 
+def _step_out(p, out):
+    """The kernel's view of the step's ``out=`` array, checked (see gated_delta_rule_step)."""
+    if not isinstance(out, np.ndarray):
+        raise ValueError(f"out must be an ndarray to write S_t into; got {type(out).__name__}")
+    expect_shape(out, "out", p.state_shape, p.state_layout)
+    if out.dtype != p.dtype or not out.flags.writeable or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a writeable, C-contiguous {p.dtype} array (the result's "
+                         f"dtype); got a {out.dtype} array that is "
+                         f"{'' if out.flags.writeable else 'read-only, '}"
+                         f"{'' if out.flags.c_contiguous else 'not '}C-contiguous")
+    return p.state_view(out)
+
+
 def _forward(p, num_threads, checkpoints=False):
     """Run the forward of a checked problem; returns (o [B, T, HV, Dv], S_T in the state shape)
     and, with checkpoints=True, the checkpoints in their user shape."""
@@ -404,7 +417,7 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
                           state: Optional[ArrayLike], scale: float = 1.0,
                           normalize_qk: bool = False, num_threads: Optional[int] = None,
                           inplace: bool = False, check_values: bool = True,
-                          delta_rule: bool = True) -> StepResult:
+                          delta_rule: bool = True, out: Optional[np.ndarray] = None) -> StepResult:
     """One token of the gated delta rule: recurrent (decoding) form of :func:`gated_delta_rule`.
 
     ``o_t, S_t = gated_delta_rule_step(q_t, k_t, v_t, beta=beta_t, alpha=alpha_t, state=S_{t-1})``
@@ -431,19 +444,26 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
     check_values : bool, default True -- warn about alpha, g, beta, beta ||k||^2 out of range,
         as gated_delta_rule.
     delta_rule : bool, default True -- False: u_t = beta_t v_t, as gated_delta_rule.
+    out : ndarray or None -- write S_t into ``out`` and return it as new_state, leaving ``state``
+        as it is: decoding with two state buffers used in turn (``state=a, out=b``, then
+        ``state=b, out=a``) costs what ``inplace`` costs, with no new array per token. A
+        writeable, C-contiguous array of the state's shape and the result's dtype; ``out=state``
+        is ``inplace=True``, and an ``out`` that overlaps an input otherwise has that input
+        copied first (as NumPy's ``out=``).
 
     Returns
     -------
     o_t : ndarray [B, HV, Dv] (single-head: [B, Dv]);  new_state : ndarray shaped as ``state``
-    (``state`` itself when ``inplace``). float32 when all inputs cast safely to float32, float64
-    otherwise.
+    (``state`` itself when ``inplace``, ``out`` when given). float32 when all inputs cast safely
+    to float32, float64 otherwise.
 
     Raises
     ------
     TypeError, ValueError
         As :func:`gated_delta_rule`, the messages naming the argument and the step's shapes;
         ValueError when ``inplace`` and ``state`` is None, read-only, not C-contiguous or not of
-        the result's dtype.
+        the result's dtype; when ``out`` is not an ndarray of the state's shape and the result's
+        dtype, writeable and C-contiguous, or comes with ``inplace=True``.
 
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025 (arXiv:2412.06464), sec. 3.
     """
@@ -451,6 +471,17 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
     inplace = flag(inplace, "inplace")
     p = _Problem(q_t, k_t, v_t, beta, alpha, g, state, scale, normalize_qk, step=True,
                  check_values=check_values, delta_rule=delta_rule)
+    if out is not None:
+        if inplace:
+            raise ValueError("pass either inplace=True or out=, not both (out=state is inplace)")
+        if out is state:
+            inplace = True
+        else:
+            S_T = _step_out(p, out)
+            o, o_k = p.new_seq(p.Dv)
+            _call(p.ufunc("fwd"), (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args(),
+                  (o_k, S_T), nt)
+            return StepResult(p.user_seq(o)[:, 0], out)
     if not inplace:
         o, S_T = _forward(p, nt)
         return StepResult(p.user_seq(o)[:, 0], S_T)

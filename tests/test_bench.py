@@ -47,3 +47,4 @@ def test_bench_targets_rows(tmp_path, capsys):
     assert all(r["value"] > 0 and r["met"] in (True, False) for r in rows)
     out = capsys.readouterr().out
     assert "backward with checkpoints / forward" in out and "decode step in place" in out
+    assert "decode step into out= / in place" in out

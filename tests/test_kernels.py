@@ -196,6 +196,93 @@ def test_step_inplace_errors():
     np.testing.assert_array_equal(S, 0)
 
 
+@pytest.mark.parametrize("Dv", [6, 64])
+@pytest.mark.parametrize("general", [False, True])
+def test_step_out_double_buffered(Dv, general):
+    """gated_delta_rule_step(state=a, out=b) writes S_t into b and leaves a as it was: two buffers
+    used in turn give the numbers of new states, token after token, on 1 and 3 threads; the
+    first token may start from state=None; out=state is the in-place step."""
+    rng = np.random.default_rng(84)
+    B, H, HV, Dk, T = 2, 2, 4, 24, 5
+    q = rng.standard_normal((B, T, H, Dk))
+    k = rng.standard_normal((B, T, H, Dk))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, HV, Dv))
+    beta = rng.uniform(0.1, 0.9, (B, T, HV))
+    alpha = rng.uniform(0.5, 1, (B, T, HV, Dk) if general else (B, T, HV))
+    for nt in (1, 3):
+        S_new = None
+        bufs = [np.full((B, HV, Dv, Dk), np.nan), np.full((B, HV, Dv, Dk), np.nan)]
+        cur = None
+        for t in range(T):
+            kw = dict(beta=beta[:, t], alpha=alpha[:, t], normalize_qk=general, num_threads=nt)
+            o1, S_new = gdn_ext.gated_delta_rule_step(q[:, t], k[:, t], v[:, t], state=S_new, **kw)
+            out = bufs[t % 2]
+            before = None if cur is None else cur.copy()
+            o2, S_ret = gdn_ext.gated_delta_rule_step(q[:, t], k[:, t], v[:, t], state=cur,
+                                                      out=out, **kw)
+            assert S_ret is out
+            np.testing.assert_array_equal(o2, o1)
+            np.testing.assert_array_equal(out, S_new)
+            if before is not None:
+                np.testing.assert_array_equal(cur, before)
+            cur = out
+        S = S_new.copy()
+        o3, S_ret = gdn_ext.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], state=S, out=S,
+                                                  beta=beta[:, 0], alpha=alpha[:, 0],
+                                                  normalize_qk=general, num_threads=nt)
+        o4, S_ref = gdn_ext.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], state=S_new,
+                                                  beta=beta[:, 0], alpha=alpha[:, 0],
+                                                  normalize_qk=general, num_threads=nt)
+        assert S_ret is S
+        np.testing.assert_array_equal(o3, o4)
+        np.testing.assert_array_equal(S, S_ref)
+
+
+def test_step_out_errors():
+    q = np.ones((1, 2, 4))
+    kw = dict(beta=np.full((1, 2), 0.5), alpha=np.full((1, 2), 0.9))
+    S = np.zeros((1, 2, 4, 4))
+    with pytest.raises(ValueError, match=r"out must have shape \[B, H, Dv, Dk\] = \[1, 2, 4, 4\]"):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=S, out=np.zeros((1, 2, 4, 5)), **kw)
+    with pytest.raises(ValueError, match="out must be an ndarray"):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=S, out=[[0.0]], **kw)
+    with pytest.raises(ValueError, match="float64 array"):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=S, out=np.zeros((1, 2, 4, 4), np.float32),
+                                      **kw)
+    ro = np.zeros_like(S)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=S, out=ro, **kw)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=S,
+                                      out=np.zeros((1, 2, 4, 4)).transpose(0, 1, 3, 2), **kw)
+    with pytest.raises(ValueError, match="either inplace=True or out="):
+        gdn_ext.gated_delta_rule_step(q, q, q, state=S, out=np.zeros_like(S), inplace=True, **kw)
+    np.testing.assert_array_equal(S, 0)
+
+
+def test_step_out_overlapping_an_input():
+    """An out= that half overlaps the state it reads, or that holds q_t: the input is read as it
+    was before the step (copied first), so the result is that of separate arrays."""
+    rng = np.random.default_rng(85)
+    kw = dict(beta=np.full((1, 2), 0.5), alpha=np.full((1, 2), 0.9), check_values=False)
+    q, k, v = (rng.standard_normal((1, 2, 4)) for _ in range(3))
+    flat = rng.standard_normal(48)   # two states, half on top of each other
+    state, out = flat[:32].reshape(1, 2, 4, 4), flat[16:48].reshape(1, 2, 4, 4)
+    o_ref, S_ref = gdn_ext.gated_delta_rule_step(q, k, v, state=state.copy(), **kw)
+    o, S = gdn_ext.gated_delta_rule_step(q, k, v, state=state, out=out, **kw)
+    np.testing.assert_array_equal(o, o_ref)
+    np.testing.assert_array_equal(out, S_ref)
+    buf = np.zeros((1, 2, 4, 4))
+    buf[:, :, 0] = q
+    o_ref, S_ref = gdn_ext.gated_delta_rule_step(q, k, v, state=np.ones((1, 2, 4, 4)), **kw)
+    o, S = gdn_ext.gated_delta_rule_step(buf[:, :, 0], k, v, state=np.ones((1, 2, 4, 4)),
+                                         out=buf, **kw)
+    np.testing.assert_array_equal(o, o_ref)
+    np.testing.assert_array_equal(buf, S_ref)
+
+
 @pytest.mark.parametrize("user", [None, "ACTIVE"])
 def test_wait_policy_set_for_the_extension_only(user):
     """Importing gdn_ext asks its OpenMP runtime for passive waiting unless the user chose a

@@ -609,6 +609,9 @@ def _decode_targets(rows, log, threads, H=32, D=128, steps=200):
         res[nt, True] = median_us(lambda: gdn_ext.gated_delta_rule_step(
             q, k, v, state=state, inplace=True, **kw))
         res[nt, False] = median_us(lambda: gdn_ext.gated_delta_rule_step(q, k, v, state=state, **kw))
+        spare = np.zeros_like(state)
+        res[nt, "out"] = median_us(lambda: gdn_ext.gated_delta_rule_step(
+            q, k, v, state=state, out=spare, **kw))
     dflt = median_us(lambda: gdn_ext.gated_delta_rule_step(q, k, v, state=state, inplace=True,
                                                            beta=beta, alpha=alpha,
                                                            check_values=False))
@@ -617,6 +620,8 @@ def _decode_targets(rows, log, threads, H=32, D=128, steps=200):
     for nt in sorted({1, threads}):
         _target_row(rows, log, "5", f"decode step returning a new state / in place, {nt} thr",
                     res[nt, False] / res[nt, True], "<= 1.3")
+        _target_row(rows, log, "5", f"decode step into out= / in place, {nt} thr",
+                    res[nt, "out"] / res[nt, True], "<= 1.3")
 
 
 def _print_table(table, t_f, t_fb, ceiling, log):
