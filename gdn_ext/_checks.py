@@ -1,6 +1,5 @@
 """Argument checking shared by the public functions: every message names the argument and the
 shape it expected, so that bad input fails here, in Python, before any kernel runs."""
-import contextvars
 import math
 import operator
 import os
@@ -8,6 +7,8 @@ import sys
 import warnings
 
 import numpy as np
+
+from ._threads import pieces, run_pieces
 
 __all__ = []
 
@@ -60,30 +61,6 @@ def real_scalar(x, name):
     return f
 
 
-# The thread counts of the gdn_ext.threads(n) blocks open in the current thread (and asyncio
-# task), innermost last (0: OpenMP's default): a tuple, so that a shared threads object keeps no
-# per-thread state of its own.
-context_threads = contextvars.ContextVar("gdn_ext_threads", default=())
-
-
-def thread_count(num_threads):
-    """None -> gdn_ext.threads(n)'s n when inside one, else 0 (OpenMP's default:
-    OMP_NUM_THREADS / threadpoolctl); else a positive int."""
-    if num_threads is None:
-        stack = context_threads.get()
-        return stack[-1] if stack else 0
-    if isinstance(num_threads, bool):
-        raise TypeError("num_threads must be None or a positive int; got a bool")
-    try:
-        n = operator.index(num_threads)
-    except TypeError:
-        raise TypeError(f"num_threads must be None or a positive int; got "
-                        f"{type(num_threads).__name__}") from None
-    if not 1 <= n <= 2**31 - 1:
-        raise ValueError(f"num_threads must be None or an int in [1, 2**31 - 1]; got {n}")
-    return n
-
-
 def sequence_length(T):
     """A number of steps: a non-negative int below 2**62; TypeError / ValueError otherwise."""
     if isinstance(T, (bool, np.bool_)):
@@ -113,49 +90,6 @@ def compute_dtype(arrays):
     return f32 if all(np.can_cast(d, f32, "safe") for d in dtypes) else np.dtype(np.float64)
 
 
-# Elements per piece of `converted` and `pieces`: well under a millisecond of work.
-_PIECE = 1 << 18
-
-
-def pieces(shape):
-    """Index tuples that cut an array of ``shape`` (C order) into pieces of about ``_PIECE``
-    elements along its leading axes; each piece of a C-contiguous array is contiguous."""
-    if int(np.prod(shape, dtype=np.int64)) <= _PIECE:
-        return [()]
-    # the first axis whose trailing block fits in a piece; steps of several of its entries
-    axis, block = len(shape) - 1, 1
-    while axis > 0 and block * shape[axis] <= _PIECE:
-        block *= shape[axis]
-        axis -= 1
-    step = max(1, _PIECE // max(1, int(np.prod(shape[axis + 1:], dtype=np.int64))))
-    return [lead + (slice(s, s + step),)
-            for lead in np.ndindex(*shape[:axis]) for s in range(0, shape[axis], step)]
-
-
-def run_pieces(work, items, num_threads=1):
-    """``work(item)`` for every item: in order on the calling thread, or on up to
-    ``num_threads`` threads when there are several items (NumPy's loops release the GIL, so
-    pieces of an elementwise operation run in parallel). The work must write disjoint outputs:
-    each element is then computed by the same code whatever the thread count. The threads live
-    for this call only (nothing is left behind for a fork). Ctrl-C: items not yet started are
-    dropped and the KeyboardInterrupt propagates once the running ones end."""
-    n = min(num_threads, len(items))
-    if n <= 1:
-        for item in items:
-            work(item)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(n, thread_name_prefix="gdn_ext-piece") as pool:
-        futures = [pool.submit(work, item) for item in items]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-
-
 def converted(a, dtype, fn=None, num_threads=1):
     """``fn(a)`` (or ``a``) as ``dtype``, computed piece by piece along ``a``'s leading axes, on
     up to ``num_threads`` threads (`run_pieces`); ``fn`` is a NumPy ufunc (it takes ``out=``).
@@ -167,7 +101,8 @@ def converted(a, dtype, fn=None, num_threads=1):
     dtype = np.dtype(dtype)
     if fn is None and a.dtype == dtype:
         return a
-    if a.size <= _PIECE:
+    parts = pieces(a.shape)
+    if len(parts) == 1:
         return (a if fn is None else fn(a.astype(dtype, copy=False))).astype(dtype, copy=False)
     out = np.empty(a.shape, dtype)
 
@@ -176,7 +111,7 @@ def converted(a, dtype, fn=None, num_threads=1):
             out[sl] = a[sl]
         else:
             fn(a[sl].astype(dtype, copy=False), out=out[sl])
-    run_pieces(one, pieces(a.shape), num_threads)
+    run_pieces(one, parts, num_threads)
     return out
 
 

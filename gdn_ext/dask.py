@@ -35,8 +35,9 @@ except ImportError as _exc:  # pragma: no cover - exercised without dask
                       ) from _exc
 
 from ._checks import (caller_location, compute_dtype, flag, head_first_message, real_scalar,
-                      thread_count, value_messages, warn)
+                      value_messages, warn)
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG
+from ._threads import thread_count
 from .recurrence import gated_delta_rule as _np_forward
 from .recurrence import gated_delta_rule_backward as _np_backward
 

@@ -11,58 +11,13 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._native import _core
-from ._checks import (as_real_array, context_threads, converted, expect_shape, flag, pieces,
-                      run_pieces, sequence_length, thread_count, warn)
+from ._checks import as_real_array, converted, expect_shape, flag, sequence_length, warn
 from ._problem import _Problem
+from ._threads import pieces, run_pieces, thread_count, threads
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, StepResult
 
 __all__ = ["threads", "gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
            "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count", "StepResult"]
-
-
-class threads:
-    """Run gdn_ext's kernels on ``n`` threads inside a ``with`` block, in the calling thread
-    (and asyncio task) only::
-
-        with gdn_ext.threads(4):
-            o, S = gdn_ext.gated_delta_rule(q, k, v, beta=beta, g=g)
-
-    Precedence: a call's own ``num_threads=`` > the innermost ``threads(n)`` > threadpoolctl's
-    OpenMP limit and ``OMP_NUM_THREADS`` (OpenMP's default; torch shares the runtime, so
-    ``torch.set_num_threads`` changes it too). ``threads(None)`` restores that default for the
-    block. Other Python threads, and dask tasks (which run in other threads), are not affected:
-    give ``gdn_ext.dask`` its ``num_threads``. Composes with ``threadpoolctl.threadpool_limits``
-    (which limits NumPy's BLAS and the OpenMP default) by taking precedence over it for gdn_ext.
-
-    The object holds only ``n``: one object (say a module-level ``TWO = gdn_ext.threads(2)``) may
-    be entered from several threads and asyncio tasks at once, nested, and again; it pickles and
-    copies as its ``n``. What a block restores on exit lives in the thread's (or task's) context
-    (a generator that yields inside a block leaves it open in its caller until it resumes).
-    Raises TypeError / ValueError for an n that is not None or a positive int (when made), and
-    RuntimeError when a block exits in a context where it was not entered."""
-
-    __slots__ = ("n",)
-
-    def __init__(self, n: Optional[int]):
-        self.n = 0 if n is None else thread_count(n)
-
-    def __enter__(self):
-        context_threads.set(context_threads.get() + (self.n,))
-        return self
-
-    def __exit__(self, *exc):
-        stack = context_threads.get()
-        if not stack or stack[-1] != self.n:
-            raise RuntimeError("gdn_ext.threads: exit without a matching enter in this thread "
-                               "or task")
-        context_threads.set(stack[:-1])
-        return False
-
-    def __reduce__(self):
-        return (threads, (self.n or None,))
-
-    def __repr__(self):
-        return f"gdn_ext.threads({self.n or None})"
 
 
 def openmp_enabled() -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import gdn_ext
-from gdn_ext._checks import thread_count
+from gdn_ext._threads import thread_count
 from helpers import run_python
 
 posix = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")

@@ -115,7 +115,7 @@ def test_dask_refuses_bad_chunks():
 def test_threads_context_manager():
     """threads(n) sets the count for calls in its block, in this thread only; num_threads= and
     an inner threads() win; the previous value comes back, also after an error."""
-    from gdn_ext._checks import thread_count
+    from gdn_ext._threads import thread_count
     assert thread_count(None) == 0
     seen = {}
     with gdn_ext.threads(3):
@@ -280,7 +280,7 @@ def test_numpy_inputs_join_chunked_dask_ones():
 
 
 def test_threads_object_is_reusable_and_checked_when_made():
-    from gdn_ext._checks import thread_count
+    from gdn_ext._threads import thread_count
     cm = gdn_ext.threads(2)
     with cm:
         with cm:

@@ -37,6 +37,7 @@ import numpy as np
 
 import gdn_ext
 from gdn_ext import _core, reference
+from gdn_ext._threads import busy_cap, default_threads, raw_ufunc_threads
 
 __all__ = ["main", "run"]
 
@@ -235,12 +236,9 @@ def thread_scaling(B=4, T=2048, H=16, D=128, thread_counts=(1, 2, 4, 8, 16), rep
         f"gated_delta_rule / _backward end to end; % = parallel efficiency (speed-up / threads)")
     for n in thread_counts:
         fwd, bwd, _ = _gdn_calls(x, n)
-        prev = _core._set_call_threads(n)
-        try:
+        with raw_ufunc_threads(n):
             times = dict(kernel_forward=_timeit(kernel_fwd, repeat),
                          kernel_backward=_timeit(kernel_bwd, max(1, repeat // 2)))
-        finally:
-            _core._set_call_threads(prev)
         times.update(api_forward=_timeit(fwd, repeat), api_backward=_timeit(bwd, max(1, repeat // 2)))
         row = dict(threads=n)
         for key, t in times.items():
@@ -264,7 +262,7 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
         log=print):
     """Run every measurement; returns a dict (the --json content). Sizes are tokens per sequence
     (T), batch (B), heads (H), head width (Dk = Dv = D)."""
-    threads = threads or _core._threads_for(1 << 30)
+    threads = threads or default_threads()
     torch_T = T if torch_T is None else torch_T
     res = {"machine": dict(platform=platform.platform(), processor=platform.processor(),
                            cpus=os.cpu_count(), isa=_core.isa(), openmp=gdn_ext.openmp_enabled(),
@@ -447,7 +445,7 @@ def contention(B, T, H, D, threads, repeat, busy=None, log=print):
         time.sleep(0.5)
         t_def = _timeit(_gdn_calls(x, None)[0], repeat)   # default threads (the cap may lower them)
         t_one = _timeit(_gdn_calls(x, 1)[0], repeat)
-        cap = _core._busy_cap()
+        cap = busy_cap()
     finally:
         for p in procs:
             p.kill()
@@ -481,7 +479,7 @@ def training_targets(threads=None, repeat=3, T=2048, BH=4, dims=(64, 128, 256), 
     against their FMA peak (B*H = ``many_BH``, Dk = Dv = 128); few pairs (B = 1, H = 4, T =
     ``few_T``) on all threads against one thread; decoding steps (``decode`` = (H, D, steps)).
     Returns a dict with ``rows``: target, what, value, bound, unit, met."""
-    threads = threads or _core._threads_for(1 << 30)
+    threads = threads or default_threads()
     rows = []
     log(f"training targets: T={T}, B*H={BH}, median of {repeat}; all threads = {threads}")
     peak = {(dt, n): _core.fma_peak(dt == np.float64, n, 0.3)

@@ -19,8 +19,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .._checks import flag, head_first_message, thread_count, value_messages, warn
-from .._native import _core
+from .._checks import flag, head_first_message, value_messages, warn
+from .._threads import thread_count
+from ..recurrence import checkpoint_count
 from ..recurrence import gated_delta_rule as _np_forward
 from ..recurrence import gated_delta_rule_backward as _np_backward
 from .reference import reference_gated_delta_rule
@@ -48,7 +49,7 @@ def _state_shape(q, v, initial_state, cu_seqlens):
 def _ckpt_count(T) -> int:
     """Checkpoint slots the forward returns: checkpoint_count of the whole (packed) length, an
     upper bound of every packed sequence's own count, so that the shape depends on T only."""
-    return int(_core.checkpoint_count(int(T)))
+    return checkpoint_count(int(T))
 
 
 def _gate_kw(gate, gate_is_log):
@@ -100,7 +101,7 @@ def _bwd_op(do: torch.Tensor, dS_T: Optional[torch.Tensor], q: torch.Tensor, k: 
     cu = _numpy(cu_seqlens)
     if ck is not None and cu is not None:        # back to the packed sequences' own count
         longest = int(np.max(np.diff(cu))) if cu.size > 1 else 0
-        ck = ck[..., :int(_core.checkpoint_count(longest)), :, :]
+        ck = ck[..., :checkpoint_count(longest), :, :]
     g = _np_backward(_numpy(do), _numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
                      **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
                      dS_T=_numpy(dS_T), scale=scale, normalize_qk=normalize_qk, cu_seqlens=cu,
