@@ -13,7 +13,7 @@ COMMANDS = {
     "bench": ("bench", "gdn_ext's speed next to its peers (GFLOP/s, x peak)"),
     "bench-qwen3-next": ("bench_qwen3_next", "a small Qwen3-Next model with and without gdn_ext"),
     "ondisk": ("ondisk", "a batch larger than memory from zarr through gdn_ext.dask"),
-    "conformance": ("gdn_ext.conformance", "check a gated delta rule kernel against gdn_ext"),
+    "conformance": ("conformance", "check a gated delta rule kernel against gdn_ext"),
 }
 USAGE = f"usage: python -m gdn_ext [{{{','.join(COMMANDS)}}}] [options]"
 
@@ -42,7 +42,7 @@ def main(argv=None):
               f"{', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     target = COMMANDS[name][0]
-    module = importlib.import_module(target if "." in target else "gdn_ext.apps." + target)
+    module = importlib.import_module("gdn_ext.apps." + target)
     return module.main(rest)
 
 

@@ -1,10 +1,13 @@
 """A conformance suite for any gated delta rule implementation, checked against gdn_ext in float64.
 
+    report = gdn_ext.conformance.run(fn, convention="fla")
+    assert report.passed
+
+or from the command line (gdn_ext.apps.conformance)::
+
     python -m gdn_ext conformance MODULE:FUNCTION [--convention fla|transformers|gdn_ext]
                                                   [--dtype float32] [--device cpu] [--json FILE]
-
-or, from a test, ``report = gdn_ext.conformance.run(fn, convention="fla")`` and
-``assert report.passed``. The target takes flash-linear-attention's ``chunk_gated_delta_rule`` /
+ The target takes flash-linear-attention's ``chunk_gated_delta_rule`` /
 ``fused_recurrent_gated_delta_rule`` signature (``fla``), transformers' fallbacks' (``transformers``:
 no scale, no packing), or gdn_ext.torch's (``gdn_ext``). Each case builds inputs in float64, rounds
 them to the target's dtype, runs the target on its device (and its backward, when it has one) and
@@ -26,11 +29,8 @@ Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib
 import inspect
-import json
 import math
 import sys
 from typing import Callable, Dict, List, Optional
@@ -39,7 +39,7 @@ import numpy as np
 
 from . import gated_delta_rule, gated_delta_rule_backward
 
-__all__ = ["run", "Report", "CASES", "TOLERANCES", "main"]
+__all__ = ["run", "Report", "CASES", "TOLERANCES"]
 
 # largest error relative to the reference's largest value, by the dtype the target computes in
 TOLERANCES = {"float64": 1e-9, "float32": 2e-4, "bfloat16": 5e-2, "float16": 1e-2}
@@ -391,70 +391,3 @@ def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progres
         if on_row:
             on_row(row)
     return Report(name or getattr(fn, "__qualname__", repr(fn)), convention, dtype, rows)
-
-
-def _finite(x):
-    """JSON without Infinity / NaN (strict parsers refuse them): those become null."""
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
-def _load(spec):
-    if ":" not in spec:
-        raise ValueError(f"target must be MODULE:FUNCTION; got {spec!r}")
-    mod, _, attr = spec.partition(":")
-    obj = importlib.import_module(mod)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def main(argv=None):
-    """Command line; returns 1 when a case fails, 0 otherwise."""
-    ap = argparse.ArgumentParser(prog="python -m gdn_ext conformance", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("target", help="MODULE:FUNCTION, e.g. gdn_ext.torch:chunk_gated_delta_rule")
-    ap.add_argument("--convention", choices=["fla", "transformers", "gdn_ext"], default="fla")
-    ap.add_argument("--dtype", choices=sorted(TOLERANCES), default="float32",
-                    help="the dtype of the target's inputs (default float32)")
-    ap.add_argument("--device", default="cpu", help="the target's device (default cpu)")
-    ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
-    try:
-        fn = _load(a.target)
-    except Exception as exc:   # whatever importing the target raised
-        ap.error(f"cannot load {a.target}: {type(exc).__name__}: {exc}")
-    if not callable(fn):
-        ap.error(f"{a.target} is a {type(fn).__name__}, not a function")
-    json_file = None
-    if a.json:
-        try:
-            json_file = open(a.json, "w")
-        except OSError as exc:
-            ap.error(f"--json {a.json}: {exc}")
-    try:
-        import torch
-        if a.device != "cpu" and torch.device(a.device).type == "cuda" \
-                and not torch.cuda.is_available():
-            ap.error(f"--device {a.device}: this torch has no CUDA device")
-    except (RuntimeError, ValueError) as exc:
-        ap.error(f"--device {a.device}: {exc}")
-    shell = Report(a.target, a.convention, a.dtype, [])
-    if a.no_progress:          # rows as they come (a slow target still shows what it did)
-        print(shell.header(), flush=True)
-        report = run(fn, a.convention, a.dtype, a.device, name=a.target,
-                     on_row=lambda r: print(Report.line(r), flush=True))
-        print(report.table().splitlines()[-1])
-    else:
-        report = run(fn, a.convention, a.dtype, a.device, progress=True, name=a.target)
-        print(report.table())
-    if json_file is not None:
-        with json_file:
-            json.dump(_finite(dataclasses.asdict(report)), json_file, indent=1)
-    return 0 if report.passed else 1

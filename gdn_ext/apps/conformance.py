@@ -1,0 +1,80 @@
+"""``python -m gdn_ext conformance MODULE:FUNCTION``: the conformance suite of
+:mod:`gdn_ext.conformance` run on a gated delta rule implementation from the command line: a table
+of every case, optionally its JSON; exit status 1 when a case fails."""
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+
+from gdn_ext import conformance
+from gdn_ext.conformance import TOLERANCES, Report, run
+
+__all__ = ["main"]
+
+
+def _finite(x):
+    """JSON without Infinity / NaN (strict parsers refuse them): those become null."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def _load(spec):
+    if ":" not in spec:
+        raise ValueError(f"target must be MODULE:FUNCTION; got {spec!r}")
+    mod, _, attr = spec.partition(":")
+    obj = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main(argv=None):
+    """Command line; returns 1 when a case fails, 0 otherwise."""
+    ap = argparse.ArgumentParser(prog="python -m gdn_ext conformance", description=conformance.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", help="MODULE:FUNCTION, e.g. gdn_ext.torch:chunk_gated_delta_rule")
+    ap.add_argument("--convention", choices=["fla", "transformers", "gdn_ext"], default="fla")
+    ap.add_argument("--dtype", choices=sorted(TOLERANCES), default="float32",
+                    help="the dtype of the target's inputs (default float32)")
+    ap.add_argument("--device", default="cpu", help="the target's device (default cpu)")
+    ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        fn = _load(a.target)
+    except Exception as exc:   # whatever importing the target raised
+        ap.error(f"cannot load {a.target}: {type(exc).__name__}: {exc}")
+    if not callable(fn):
+        ap.error(f"{a.target} is a {type(fn).__name__}, not a function")
+    json_file = None
+    if a.json:
+        try:
+            json_file = open(a.json, "w")
+        except OSError as exc:
+            ap.error(f"--json {a.json}: {exc}")
+    try:
+        import torch
+        if a.device != "cpu" and torch.device(a.device).type == "cuda" \
+                and not torch.cuda.is_available():
+            ap.error(f"--device {a.device}: this torch has no CUDA device")
+    except (RuntimeError, ValueError) as exc:
+        ap.error(f"--device {a.device}: {exc}")
+    shell = Report(a.target, a.convention, a.dtype, [])
+    if a.no_progress:          # rows as they come (a slow target still shows what it did)
+        print(shell.header(), flush=True)
+        report = run(fn, a.convention, a.dtype, a.device, name=a.target,
+                     on_row=lambda r: print(Report.line(r), flush=True))
+        print(report.table().splitlines()[-1])
+    else:
+        report = run(fn, a.convention, a.dtype, a.device, progress=True, name=a.target)
+        print(report.table())
+    if json_file is not None:
+        with json_file:
+            json.dump(_finite(dataclasses.asdict(report)), json_file, indent=1)
+    return 0 if report.passed else 1
