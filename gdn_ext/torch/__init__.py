@@ -13,9 +13,9 @@ flash-linear-attention's and transformers' (state ``[N, HV, K, V]``, log decay `
 ``K ** -0.5``). Source of the math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks:
 Improving Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 
-Modules: ``function`` (the custom operators and their autograd), ``reference`` (the torch
-loop), ``fla`` (the flash-linear-attention drop-ins), ``transformers`` (the transformers patch),
-``layer`` (the whole Gated DeltaNet layer as an ``nn.Module``).
+Modules: ``function`` (the custom operators and their autograd), ``loop`` (the design note's loop
+in torch ops, the reference), ``fla`` (the flash-linear-attention drop-ins), ``transformers`` (the
+transformers patch), ``modules`` (the whole Gated DeltaNet layer as an ``nn.Module``).
 """
 try:
     import torch as _torch  # noqa: F401
@@ -26,8 +26,8 @@ except ImportError as _exc:
 
 from .fla import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from .function import gated_delta_rule
-from .layer import GatedDeltaNet, GatedDeltaNetState
-from .reference import reference_gated_delta_rule
+from .loop import reference_gated_delta_rule
+from .modules import GatedDeltaNet, GatedDeltaNetState
 from .transformers import patch_transformers
 
 __all__ = ["gated_delta_rule", "reference_gated_delta_rule", "chunk_gated_delta_rule",

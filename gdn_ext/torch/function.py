@@ -6,7 +6,7 @@ traces through them without graph breaks (``fullgraph=True`` works), and the for
 registered autograd formula whose backward is the C backward pass. The forward keeps its state
 checkpoints for the backward when a gradient will be asked for, so training runs the recurrence
 forward once. Differentiating the gradient again (double backward, ``create_graph=True``) is
-computed through the torch reference loop (:mod:`gdn_ext.torch.reference`): correct, slow.
+computed through the torch reference loop (:mod:`gdn_ext.torch.loop`): correct, slow.
 
 Source of the math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2
 with Delta Rule", ICLR 2025 (arXiv:2412.06464), sec. 3.
@@ -24,7 +24,7 @@ from .._threads import thread_count
 from ..recurrence import checkpoint_count
 from ..recurrence import gated_delta_rule as _np_forward
 from ..recurrence import gated_delta_rule_backward as _np_backward
-from .reference import reference_gated_delta_rule
+from .loop import reference_gated_delta_rule
 
 __all__ = ["gated_delta_rule"]
 
