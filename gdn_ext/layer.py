@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 import numpy as np
 from numpy.typing import ArrayLike
 
+from . import reference
 from ._checks import as_real_array, expect_shape, flag, fmt
 from ._constants import L2_EPS, RMS_EPS
 from ._results import LayerCache, LayerGrads, LayerStepResult
@@ -193,8 +194,7 @@ def rmsnorm_backward(dh: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: flo
 def l2norm(x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
     """``x / sqrt(sum(x**2, axis=-1) + eps)`` (eps inside the root, as flash-linear-attention).
     x [..., D]; ValueError / TypeError for a scalar or non-real x."""
-    x = _rows(x, "x")
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+    return reference.l2norm(_rows(x, "x"), eps)
 
 
 def l2norm_backward(dy: np.ndarray, x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
@@ -202,9 +202,7 @@ def l2norm_backward(dy: np.ndarray, x: np.ndarray, eps: float = L2_EPS) -> np.nd
     x = _rows(x, "x")
     dy = as_real_array(dy, "dy")
     expect_shape(dy, "dy", x.shape, "[..., D] (the shape of x)")
-    n = np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
-    y = x / n
-    return (dy - y * np.sum(y * dy, axis=-1, keepdims=True)) / n
+    return reference.l2norm_backward(dy, x, eps)
 
 
 def _sigmoid(z):

@@ -26,8 +26,8 @@ from numpy.typing import ArrayLike
 from ._constants import L2_EPS
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG
 
-__all__ = ["batch_matvec", "batch_outer", "gate_memory", "l2norm", "gated_delta_rule",
-           "gated_delta_rule_backward"]
+__all__ = ["batch_matvec", "batch_outer", "gate_memory", "l2norm", "l2norm_backward",
+           "gated_delta_rule", "gated_delta_rule_backward"]
 
 
 def batch_matvec(S: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -51,9 +51,18 @@ def gate_memory(S: np.ndarray, gate: np.ndarray) -> np.ndarray:
     return S * gate[..., None, None]
 
 
-def l2norm(x: np.ndarray) -> np.ndarray:
-    """x / sqrt(sum x^2 + 1e-6) over the last axis (epsilon inside the root)."""
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+def l2norm(x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
+    """x / sqrt(sum x^2 + eps) over the last axis (epsilon inside the root, as
+    flash-linear-attention's use_qk_l2norm_in_kernel). x [..., D], unchecked."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def l2norm_backward(dy: np.ndarray, x: np.ndarray, eps: float = L2_EPS) -> np.ndarray:
+    """dx of :func:`l2norm` given dy [..., D]: y = x / n, dx = (dy - y (y . dy)) / n with
+    n = sqrt(sum x^2 + eps). Unchecked."""
+    n = np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+    y = x / n
+    return (dy - y * np.sum(y * dy, axis=-1, keepdims=True)) / n
 
 
 def _as_multihead(q, k, v, beta, gate, state, arrays_dtype):
@@ -229,12 +238,8 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     H = P["q"].shape[2]
     dq = dq_rep.reshape(B, T, H, G, Dk).sum(axis=3)
     dk = dk_rep.reshape(B, T, H, G, Dk).sum(axis=3)
-    if normalize_qk:   # x^ = x / n:  dx = (dx^ - x^ (x^ . dx^)) / n
-        for raw, name in ((P["q"], "q"), (P["k"], "k")):
-            n_ = np.sqrt(np.sum(raw * raw, axis=-1, keepdims=True) + L2_EPS)
-            xh = raw / n_
-            d = dq if name == "q" else dk
-            d[...] = (d - xh * np.sum(xh * d, axis=-1, keepdims=True)) / n_
+    if normalize_qk:
+        dq, dk = l2norm_backward(dq, P["q"]), l2norm_backward(dk, P["k"])
     if P["single"]:
         dq, dk, dv, dS0 = dq[:, :, 0], dk[:, :, 0], dv[:, :, 0], dS0[:, 0]
     dbeta = dbeta.reshape(P["beta_shape"])
