@@ -150,19 +150,26 @@ def test_every_instruction_set_on_the_strip_shapes(isa):
     assert out.returncode == 0, out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("Dv", [6, 64])           # rows padded (state copied) / written in place
-@pytest.mark.parametrize("general", [False, True])  # scalar-gate ufunc / general ufunc
-def test_step_inplace_equals_a_new_state(Dv, general):
-    """gated_delta_rule_step(inplace=True) writes S_t over the state it reads: the same numbers as
-    a new state, over several tokens, on 1 and 3 threads."""
-    rng = np.random.default_rng(83)
-    B, H, HV, Dk, T = 2, 2, 4, 24, 5
+def _step_inputs(rng, Dv, general, B=2, H=2, HV=4, Dk=24, T=5):
+    """q, k, v, beta, alpha of T tokens for the step tests (unit keys; a per-key gate when
+    general)."""
     q = rng.standard_normal((B, T, H, Dk))
     k = rng.standard_normal((B, T, H, Dk))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((B, T, HV, Dv))
     beta = rng.uniform(0.1, 0.9, (B, T, HV))
     alpha = rng.uniform(0.5, 1, (B, T, HV, Dk) if general else (B, T, HV))
+    return q, k, v, beta, alpha
+
+
+@pytest.mark.parametrize("Dv", [6, 64])           # rows padded (state copied) / written in place
+@pytest.mark.parametrize("general", [False, True])  # scalar-gate ufunc / general ufunc
+def test_step_inplace_equals_a_new_state(Dv, general):
+    """gated_delta_rule_step(inplace=True) writes S_t over the state it reads: the same numbers as
+    a new state, over several tokens, on 1 and 3 threads."""
+    rng = np.random.default_rng(83)
+    q, k, v, beta, alpha = _step_inputs(rng, Dv, general)
+    B, T, HV, Dk = v.shape[0], v.shape[1], v.shape[2], q.shape[3]
     S0 = rng.standard_normal((B, HV, Dv, Dk))
     for nt in (1, 3):
         S_new, S_in = S0.copy(), S0.copy()
@@ -203,13 +210,8 @@ def test_step_out_double_buffered(Dv, general):
     used in turn give the numbers of new states, token after token, on 1 and 3 threads; the
     first token may start from state=None; out=state is the in-place step."""
     rng = np.random.default_rng(84)
-    B, H, HV, Dk, T = 2, 2, 4, 24, 5
-    q = rng.standard_normal((B, T, H, Dk))
-    k = rng.standard_normal((B, T, H, Dk))
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, T, HV, Dv))
-    beta = rng.uniform(0.1, 0.9, (B, T, HV))
-    alpha = rng.uniform(0.5, 1, (B, T, HV, Dk) if general else (B, T, HV))
+    q, k, v, beta, alpha = _step_inputs(rng, Dv, general)
+    B, T, HV, Dk = v.shape[0], v.shape[1], v.shape[2], q.shape[3]
     for nt in (1, 3):
         S_new = None
         bufs = [np.full((B, HV, Dv, Dk), np.nan), np.full((B, HV, Dv, Dk), np.nan)]

@@ -149,6 +149,17 @@ def _state_layout(state_v_first, transpose_state_layout):
     return bool(transpose_state_layout)
 
 
+def _fla_args(scope):
+    """The arguments of _fla_call that a drop-in holds under the same names (its locals): the
+    two drop-ins share them but for a few of their own."""
+    return {name: scope[name] for name in _FLA_NAMES}
+
+
+_FLA_NAMES = ("q", "k", "v", "g", "gk", "beta", "scale", "initial_state", "output_final_state",
+              "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias",
+              "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first", "cu_seqlens")
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
                            scale: Optional[float] = None,
@@ -212,10 +223,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if beta is None:
         raise ValueError("chunk_gated_delta_rule needs beta [B, T, HV]")
     state_v_first = _state_layout(state_v_first, transpose_state_layout)
-    return _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
-                     use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
-                     ungated_ok=False, check_values=flag(check_values, "check_values"))
+    return _fla_call(**_fla_args(locals()), ungated_ok=False,
+                     check_values=flag(check_values, "check_values"))
 
 
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -249,7 +258,5 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     if gv is not None:
         raise TypeError("gv (a per-value-channel decay) is not supported")
     state_v_first = _state_layout(state_v_first, transpose_state_layout)
-    return _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
-                     use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
-                     ungated_ok=True, check_values=flag(check_values, "check_values"))
+    return _fla_call(**_fla_args(locals()), ungated_ok=True,
+                     check_values=flag(check_values, "check_values"))
