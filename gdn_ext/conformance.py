@@ -362,23 +362,24 @@ def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progres
         except ImportError:
             pass
     rows = []
+
+    def emit(row):
+        rows.append(row)
+        if on_row:
+            on_row(row)
     for i, case in enumerate(it):
         row = {"case": case.name, "what": case.what}
         missing = case.needs - feats
         if missing:
             row.update(status="skip", note=f"target lacks {', '.join(sorted(missing))}")
-            rows.append(row)
-            if on_row:
-                on_row(row)
+            emit(row)
             continue
         try:
             errors, notes, dt = _run_case(case, fn, convention, dtype, device, torch,
                                           np.random.default_rng(100 + i))
         except Exception as exc:   # a crash of the target is a finding, reported per case
             row.update(status="error", note=f"{type(exc).__name__}: {exc}"[:120])
-            rows.append(row)
-            if on_row:
-                on_row(row)
+            emit(row)
             continue
         tol = TOLERANCES[dt]
         ok = all(rel <= tol for _, rel in errors.values())
@@ -387,7 +388,5 @@ def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progres
         if case.repeat and not grads_checked and ok:
             status = "skip"                  # nothing to repeat without gradients
         row.update(status=status, tol=tol, errors=errors, note="; ".join(notes))
-        rows.append(row)
-        if on_row:
-            on_row(row)
+        emit(row)
     return Report(name or getattr(fn, "__qualname__", repr(fn)), convention, dtype, rows)

@@ -166,6 +166,13 @@ class _Inputs:
         return x.reshape((B, H, G) + x.shape[2:])
 
 
+def _options(scale, normalize_qk, delta_rule, num_threads):
+    """The options every task passes to the NumPy entry point, checked once here."""
+    return dict(scale=real_scalar(scale, "scale"), normalize_qk=flag(normalize_qk, "normalize_qk"),
+                delta_rule=flag(delta_rule, "delta_rule"),
+                num_threads=thread_count(num_threads) or None)
+
+
 def _checker(x, check_values, delta_rule, normalize_qk):
     """The layout warning now (graph time), and a function that warns about a chunk's values
     when it runs (compute time), both at the user's line; None when check_values is False."""
@@ -224,9 +231,7 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, sec. 3.
     """
     x = _Inputs(q, k, v, beta, alpha, g, initial_state)
-    opts = dict(scale=real_scalar(scale, "scale"), normalize_qk=flag(normalize_qk, "normalize_qk"),
-                delta_rule=flag(delta_rule, "delta_rule"),
-                num_threads=thread_count(num_threads) or None)
+    opts = _options(scale, normalize_qk, delta_rule, num_threads)
     check = _checker(x, check_values, opts["delta_rule"], opts["normalize_qk"])
     gate_name, dt = x.gate_name, x.dtype
     B, T, H, G, HV, Dk, Dv = x.sizes
@@ -282,9 +287,7 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         raise ValueError(f"dS_T must have shape [B, HV, Dv, Dk] = {[B, HV, Dv, Dk]}, chunked as "
                          f"v along B and HV, whole along Dv, Dk; got {list(dST.shape)}, "
                          f"{dST.chunks}")
-    opts = dict(scale=real_scalar(scale, "scale"), normalize_qk=flag(normalize_qk, "normalize_qk"),
-                delta_rule=flag(delta_rule, "delta_rule"),
-                num_threads=thread_count(num_threads) or None)
+    opts = _options(scale, normalize_qk, delta_rule, num_threads)
     check = _checker(x, check_values, opts["delta_rule"], opts["normalize_qk"])
     gate_name, dt = x.gate_name, x.dtype
     tg = "(g,t,k)" if x.per_key else "(g,t)"

@@ -1,6 +1,8 @@
 """Shared input generators and comparisons for the tests."""
 import numpy as np
 
+from gdn_ext.apps.check import central_differences  # noqa: F401  (the tests' finite differences)
+
 ARGS = ("q", "k", "v", "beta", "alpha", "initial_state")
 
 
@@ -49,22 +51,6 @@ def assert_rel_close(actual, desired, rtol, name=""):
     scale = max(np.max(np.abs(desired)), 1e-300) if desired.size else 1.0
     err = np.max(np.abs(actual.astype(np.float64) - desired)) if desired.size else 0.0
     assert err <= rtol * scale, f"{name}: max abs error {err:.3e} > {rtol:.1e} * {scale:.3e}"
-
-
-def central_differences(loss, inputs, h=1e-6):
-    """d loss / d inputs[name] for every array of the dict ``inputs``, element by element:
-    (loss(x + h) - loss(x - h)) / 2h, in float64. ``loss`` takes a dict like ``inputs``."""
-    grads = {}
-    for name, x in inputs.items():
-        num = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            plus, minus = x.copy(), x.copy()
-            plus[idx] += h
-            minus[idx] -= h
-            num[idx] = (loss(dict(inputs, **{name: plus}))
-                        - loss(dict(inputs, **{name: minus}))) / (2 * h)
-        grads[name] = num
-    return grads
 
 
 def run_python(code, env=None, **kwargs):

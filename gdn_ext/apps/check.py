@@ -16,8 +16,8 @@ import numpy as np
 from ..layer import GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward
 from ._cli import non_negative_int
 
-__all__ = ["torch_gated_deltanet_forward", "layer_gradients", "finite_difference_gradients",
-           "torch_gradients", "run", "main"]
+__all__ = ["torch_gated_deltanet_forward", "layer_gradients", "central_differences",
+           "finite_difference_gradients", "torch_gradients", "run", "main"]
 
 FD_TOL = 1e-6      # central differences in float64 with h = 1e-6: truncation + rounding ~1e-9
 TORCH_TOL = 1e-10  # same math, different summation order
@@ -66,28 +66,32 @@ def layer_gradients(x, S, params, dy, dS_T, normalize_qk, scale):
     return {"x": dx, "S": dS, **{n: a for n, a in dparams}}
 
 
+def central_differences(loss, inputs, h=1e-6):
+    """d loss / d inputs[name] for every array of the dict ``inputs``, element by element:
+    (loss(x + h) - loss(x - h)) / 2h, in float64. ``loss`` takes a dict like ``inputs``."""
+    grads = {}
+    for name, x in inputs.items():
+        num = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += h
+            minus[idx] -= h
+            num[idx] = (loss(dict(inputs, **{name: plus}))
+                        - loss(dict(inputs, **{name: minus}))) / (2 * h)
+        grads[name] = num
+    return grads
+
+
 def finite_difference_gradients(x, S, params, dy, dS_T, normalize_qk, scale, h=1e-6):
     """The same gradients by central differences of L = sum(y dy) + sum(S_T dS_T)."""
-    def loss(x, S, params):
-        y, S_T = gated_deltanet_forward(x, S, params, normalize_qk=normalize_qk, scale=scale)
+    names = [name for name, _ in params]
+
+    def loss(d):
+        p = GatedDeltaNetParams(**{name: d[name] for name in names})
+        y, S_T = gated_deltanet_forward(d["x"], d["S"], p, normalize_qk=normalize_qk, scale=scale)
         return np.sum(y * dy) + np.sum(S_T * dS_T)
 
-    def numeric(arr, loss_of):
-        out = np.zeros_like(arr)
-        for i in np.ndindex(arr.shape):
-            plus, minus = arr.copy(), arr.copy()
-            plus[i] += h
-            minus[i] -= h
-            out[i] = (loss_of(plus) - loss_of(minus)) / (2 * h)
-        return out
-
-    grads = {"x": numeric(x, lambda a: loss(a, S, params)),
-             "S": numeric(S, lambda a: loss(x, a, params))}
-    for name, w in params:
-        def with_w(a, name=name):
-            return loss(x, S, GatedDeltaNetParams(**{**dict(params), name: a}))
-        grads[name] = numeric(w, with_w)
-    return grads
+    return central_differences(loss, {"x": x, "S": S, **dict(params)}, h)
 
 
 def torch_gradients(x, S, params, dy, dS_T, normalize_qk, scale):
