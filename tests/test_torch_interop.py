@@ -493,7 +493,7 @@ def test_opcheck_passes():
     fwd = torch.ops.gdn_ext.gated_delta_rule_fwd
     for keep in (False, True):
         args = (inputs["q"], inputs["k"], inputs["v"], inputs["beta"], inputs["g"],
-                inputs["initial_state"], 0.5, True, False, None, keep, 0, True)
+                inputs["initial_state"], 0.5, True, False, None, keep, None, True)
         torch.library.opcheck(fwd, args)
         grads_args = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a
                       for a in args]
@@ -501,12 +501,12 @@ def test_opcheck_passes():
     packed = _inputs(42, B=1, T=8, cu=[0, 3, 3, 8], gate="g")
     torch.library.opcheck(fwd, (packed["q"], packed["k"], packed["v"], packed["beta"],
                                 packed["g"], packed["initial_state"], 1.0, True, True,
-                                torch.tensor([0, 3, 3, 8]), True, 0, False))
+                                torch.tensor([0, 3, 3, 8]), True, 2, False))
     o, S, ck = fwd(*args)
     bwd = torch.ops.gdn_ext.gated_delta_rule_bwd
     torch.library.opcheck(bwd, (torch.ones_like(o), torch.ones_like(S), inputs["q"], inputs["k"],
                                 inputs["v"], inputs["beta"], inputs["g"],
-                                inputs["initial_state"], ck, 0.5, True, False, None, 0, True))
+                                inputs["initial_state"], ck, 0.5, True, False, None, None, True))
 
 
 def test_torch_compile_fullgraph():

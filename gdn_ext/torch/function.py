@@ -60,14 +60,14 @@ def _gate_kw(gate, gate_is_log):
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
             gate: torch.Tensor, initial_state: Optional[torch.Tensor], scale: float,
             gate_is_log: bool, normalize_qk: bool, cu_seqlens: Optional[torch.Tensor],
-            keep_checkpoints: bool, num_threads: int, delta_rule: bool,
+            keep_checkpoints: bool, num_threads: Optional[int], delta_rule: bool,
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, S_T, checkpoints): checkpoints [..., NCK, Dv, Dk] with NCK = checkpoint_count(T)
     (zeros past a packed sequence's own count), or an empty tensor when not kept."""
     out = _np_forward(_numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
                       **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
                       scale=scale, normalize_qk=normalize_qk, cu_seqlens=_numpy(cu_seqlens),
-                      num_threads=num_threads or None, return_checkpoints=keep_checkpoints,
+                      num_threads=num_threads, return_checkpoints=keep_checkpoints,
                       check_values=False, delta_rule=delta_rule)
     o, S_T = torch.from_numpy(out[0]), torch.from_numpy(out[1])
     if not keep_checkpoints:
@@ -94,7 +94,7 @@ def _bwd_op(do: torch.Tensor, dS_T: Optional[torch.Tensor], q: torch.Tensor, k: 
             v: torch.Tensor, beta: torch.Tensor, gate: torch.Tensor,
             initial_state: Optional[torch.Tensor], checkpoints: Optional[torch.Tensor],
             scale: float, gate_is_log: bool, normalize_qk: bool,
-            cu_seqlens: Optional[torch.Tensor], num_threads: int,
+            cu_seqlens: Optional[torch.Tensor], num_threads: Optional[int],
             delta_rule: bool) -> List[torch.Tensor]:
     """[dq, dk, dv, dbeta, dgate, d_initial_state] (the last one shaped as the state)."""
     ck = _numpy(checkpoints)
@@ -105,7 +105,7 @@ def _bwd_op(do: torch.Tensor, dS_T: Optional[torch.Tensor], q: torch.Tensor, k: 
     g = _np_backward(_numpy(do), _numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
                      **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
                      dS_T=_numpy(dS_T), scale=scale, normalize_qk=normalize_qk, cu_seqlens=cu,
-                     num_threads=num_threads or None, checkpoints=ck, check_values=False,
+                     num_threads=num_threads, checkpoints=ck, check_values=False,
                      delta_rule=delta_rule)
     return [torch.from_numpy(np.ascontiguousarray(x)) for x in g]
 
@@ -310,8 +310,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
         cu_seqlens = cu_seqlens.to(torch.int64)
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a real number; got {type(scale).__name__}")
-    # None: resolved when the kernel runs (gdn_ext.threads(n) of that thread, else OpenMP's)
-    threads = 0 if num_threads is None else thread_count(num_threads)
+    # None stays None: resolved when the kernel runs (gdn_ext.threads(n) of that thread, else
+    # OpenMP's default), in the backward too
+    threads = None if num_threads is None else thread_count(num_threads)
     normalize_qk = flag(normalize_qk, "normalize_qk")
     output_final_state = flag(output_final_state, "output_final_state")
     delta_rule = flag(delta_rule, "delta_rule")
