@@ -186,7 +186,7 @@ class _Problem:
         B, T = self.B, self.T
         self.packed = cu_seqlens is not None
         if not self.packed:
-            self.cu, self.NS = np.array([0, T], np.int64), 1
+            self.cu, self.NS, self.max_len = np.array([0, T], np.int64), 1, T
         else:
             try:
                 cu = np.asarray(cu_seqlens)
@@ -209,6 +209,7 @@ class _Problem:
                 raise ValueError(f"cu_seqlens must end at T = {T}, the packed length; got "
                                  f"{int(cu[-1])}")
             self.cu, self.NS = cu.astype(np.int64), cu.size - 1
+            self.max_len = int(np.max(np.diff(self.cu)))   # the longest sequence
         self.general = (self.per_key or self.normalize_qk or self.packed
                         or not self.delta_rule)
 
@@ -278,8 +279,8 @@ class _Problem:
     def ckpt_shape(self):
         """The user's shape of the forward's checkpoints: the state's, with an axis of
         checkpoint_count(longest sequence) states before (Dv, Dk)."""
-        longest = int(np.max(np.diff(self.cu))) if self.cu.size > 1 else 0
-        return self.state_shape[:-2] + (int(_core.checkpoint_count(longest)), self.Dv, self.Dk)
+        return self.state_shape[:-2] + (int(_core.checkpoint_count(self.max_len)), self.Dv,
+                                        self.Dk)
 
     def ckpt_view(self, C):
         """Checkpoints in the user's shape -> the _ckpt ufuncs' [B, H, G, (NS,) NCK, Dv, Dk]."""
