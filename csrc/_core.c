@@ -471,11 +471,12 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
     const REAL no = 0;                                                                           \
     const int nt = TEAM(gdn_fwd_items(sz.N, sz.Dv));                                           \
+    gdn_fwd_call fc = {.q = args[Q], .k = args[K], .v = args[V], .alpha = args[A],              \
+                       .beta = args[B], .S_0 = args[S0], .scale = args[SC], .normalize_qk = &no, \
+                       .delta_rule = NULL, .cu_seqlens = cu, .o = args[O], .S_T = args[ST],      \
+                       .ckpt = ck ? args[CK] : NULL, .st = &st, .sz = &sz, .num_threads = nt};  \
     RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(sz.T, sz.Dk, sz.Dv), args[S0] == args[ST], tmp, 7,        \
-        gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
-                          (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
-                          (const REAL *)args[A], (const REAL *)args[B], (const REAL *)args[S0],  \
-                          (const REAL *)args[SC], &no, NULL, cu, &st, &sz, nt, ws));             \
+        (fc.ws = ws, gdn_forward_##SUF(&fc)));                                                   \
 }                                                                                                \
                                                                                                  \
 static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,         \
@@ -523,13 +524,13 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
     gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[2],              \
                           .Dv = dims[3], .max_len = max_len, .dalpha_summed = 0};                \
     const int nt = TEAM(gdn_fwd_items(sz.N * sz.NS, sz.Dv));                                   \
+    gdn_fwd_call fc = {.q = args[Q], .k = args[K], .v = args[V], .alpha = args[A],              \
+                       .beta = args[B], .S_0 = args[S0], .scale = args[SC],                      \
+                       .normalize_qk = args[NQ], .delta_rule = dr ? args[DR] : NULL,             \
+                       .cu_seqlens = (const int64_t *)args[CU], .o = args[O], .S_T = args[ST],   \
+                       .ckpt = ck ? args[CK] : NULL, .st = &st, .sz = &sz, .num_threads = nt};  \
     RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv), args[S0] == args[ST], tmp, nin,   \
-        gdn_forward_##SUF((REAL *)args[O], (REAL *)args[ST], ck ? (REAL *)args[CK] : NULL,       \
-                          (const REAL *)args[Q], (const REAL *)args[K], (const REAL *)args[V],   \
-                          (const REAL *)args[A], (const REAL *)args[B], (const REAL *)args[S0],  \
-                          (const REAL *)args[SC], (const REAL *)args[NQ],                        \
-                          dr ? (const REAL *)args[DR] : NULL, (const int64_t *)args[CU], &st,    \
-                          &sz, nt, ws));                                                         \
+        (fc.ws = ws, gdn_forward_##SUF(&fc)));                                                   \
 }
 
 /*
@@ -595,14 +596,14 @@ static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
     const REAL no = 0;                                                                           \
     const int nt = TEAM(gdn_bwd_items(sz.N, sz.Dv));                                           \
+    gdn_bwd_call bc = {.d_o = args[DO], .q = args[Q], .k = args[K], .v = args[V],              \
+                       .alpha = args[A], .beta = args[B], .S_0 = args[S0], .dS_T = args[DST],    \
+                       .ckpt = ck ? args[CK] : NULL, .scale = args[SC], .normalize_qk = &no,     \
+                       .delta_rule = NULL, .cu_seqlens = cu, .dq = args[DQ], .dk = args[DK],     \
+                       .dv = args[DV], .dalpha = args[DA], .dbeta = args[DB], .dS_0 = args[DS0], \
+                       .st = &st, .sz = &sz, .num_threads = nt};                                 \
     RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv), 0, tmp, NIN + ck, \
-        gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
-                           (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
-                           (const REAL *)args[DO], (const REAL *)args[Q], (const REAL *)args[K], \
-                           (const REAL *)args[V], (const REAL *)args[A], (const REAL *)args[B],  \
-                           (const REAL *)args[S0], (const REAL *)args[DST],                      \
-                           ck ? (const REAL *)args[CK] : NULL, (const REAL *)args[SC], &no, NULL, \
-                           cu, &st, &sz, nt, ws));                                               \
+        (bc.ws = ws, gdn_backward_##SUF(&bc)));                                                  \
 }                                                                                                \
                                                                                                  \
 static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,         \
@@ -664,15 +665,15 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
     gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[3],              \
                           .Dv = dims[2], .max_len = max_len, .dalpha_summed = 0};                \
     const int nt = TEAM(gdn_bwd_items(sz.N * sz.NS, sz.Dv));                                   \
+    gdn_bwd_call bc = {.d_o = args[DO], .q = args[Q], .k = args[K], .v = args[V],              \
+                       .alpha = args[A], .beta = args[B], .S_0 = args[S0], .dS_T = args[DST],    \
+                       .ckpt = ck ? args[CK] : NULL, .scale = args[SC],                          \
+                       .normalize_qk = args[NQ], .delta_rule = dr ? args[DR] : NULL,             \
+                       .cu_seqlens = (const int64_t *)args[CU], .dq = args[DQ], .dk = args[DK],  \
+                       .dv = args[DV], .dalpha = args[DA], .dbeta = args[DB], .dS_0 = args[DS0], \
+                       .st = &st, .sz = &sz, .num_threads = nt};                                 \
     RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv), 0, tmp, nin,   \
-        gdn_backward_##SUF((REAL *)args[DQ], (REAL *)args[DK], (REAL *)args[DV],                 \
-                           (REAL *)args[DA], (REAL *)args[DB], (REAL *)args[DS0],                \
-                           (const REAL *)args[DO], (const REAL *)args[Q], (const REAL *)args[K], \
-                           (const REAL *)args[V], (const REAL *)args[A], (const REAL *)args[B],  \
-                           (const REAL *)args[S0], (const REAL *)args[DST],                      \
-                           ck ? (const REAL *)args[CK] : NULL, (const REAL *)args[SC],           \
-                           (const REAL *)args[NQ], dr ? (const REAL *)args[DR] : NULL,           \
-                           (const int64_t *)args[CU], &st, &sz, nt, ws));                        \
+        (bc.ws = ws, gdn_backward_##SUF(&bc)));                                                  \
 }
 
 DEFINE_FWD_LOOPS(f32, float)

@@ -210,29 +210,48 @@ int gdn_openmp_enabled(void);
  * nthreads = gdn_threads_for(gdn_fwd_items(N * NS, Dv), num_threads) (at least as many as it uses).
  */
 ptrdiff_t gdn_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv);
-#define GDN_FWD_ARGS(REAL)                                                                       \
-    REAL *o, REAL *S_T, REAL *ckpt,                                                              \
-    const REAL *q, const REAL *k, const REAL *v, const REAL *alpha, const REAL *beta,           \
-    const REAL *S_0, const REAL *scale, const REAL *normalize_qk,                               \
-    const REAL *delta_rule, /* [N] 0: u_t = beta_t v_t; NULL: the delta rule everywhere */       \
-    const int64_t *cu_seqlens, const gdn_fwd_strides *st, const gdn_sizes *sz, int num_threads, \
-    REAL *ws
-void gdn_forward_f64(GDN_FWD_ARGS(double));
-void gdn_forward_f32(GDN_FWD_ARGS(float));
+/* One forward call, filled by field name (csrc/_core.c). The arrays hold float for the _f32
+ * kernels and double for the _f64 ones; their shapes and strides: gdn_fwd_strides. */
+typedef struct {
+    /* inputs */
+    const void *q, *k, *v, *alpha, *beta, *S_0;
+    const void *scale;          /* [N] */
+    const void *normalize_qk;   /* [N] nonzero: L2-normalise q_t, k_t; NULL: never */
+    const void *delta_rule;     /* [N] 0: u_t = beta_t v_t; NULL: the delta rule everywhere */
+    const int64_t *cu_seqlens;  /* [N, NS + 1], checked by gdn_check_cu_seqlens */
+    /* outputs */
+    void *o, *S_T;
+    void *ckpt;                 /* the checkpoints, or NULL: none */
+    /* layout, options, work space */
+    const gdn_fwd_strides *st;
+    const gdn_sizes *sz;
+    int num_threads;            /* 0: OpenMP's default */
+    void *ws;                   /* see above */
+} gdn_fwd_call;
+void gdn_forward_f64(const gdn_fwd_call *call);
+void gdn_forward_f32(const gdn_fwd_call *call);
 
 /*
  * Backward (BPTT) over N * NS pairs: given do = dL/do and dS_T = dL/dS_T, the gradients with respect
  * to every input. States are recomputed from checkpoints every C steps; nothing of size T*Dk*Dv is
  * held. ws: nthreads * gdn_bwd_workspace_len(max_len, Dk, Dv) elements.
  */
-#define GDN_BWD_ARGS(REAL)                                                                       \
-    REAL *dq, REAL *dk, REAL *dv, REAL *dalpha, REAL *dbeta, REAL *dS_0,                         \
-    const REAL *d_o, const REAL *q, const REAL *k, const REAL *v, const REAL *alpha,            \
-    const REAL *beta, const REAL *S_0, const REAL *dS_T, const REAL *ckpt, const REAL *scale,   \
-    const REAL *normalize_qk, const REAL *delta_rule, const int64_t *cu_seqlens,                \
-    const gdn_bwd_strides *st, const gdn_sizes *sz, int num_threads, REAL *ws
-void gdn_backward_f64(GDN_BWD_ARGS(double));
-void gdn_backward_f32(GDN_BWD_ARGS(float));
+typedef struct {
+    /* inputs */
+    const void *d_o, *q, *k, *v, *alpha, *beta, *S_0, *dS_T;
+    const void *ckpt;           /* the forward's checkpoints, or NULL: the backward makes its own */
+    const void *scale, *normalize_qk, *delta_rule;   /* as gdn_fwd_call */
+    const int64_t *cu_seqlens;
+    /* outputs */
+    void *dq, *dk, *dv, *dalpha, *dbeta, *dS_0;
+    /* layout, options, work space */
+    const gdn_bwd_strides *st;
+    const gdn_sizes *sz;
+    int num_threads;
+    void *ws;
+} gdn_bwd_call;
+void gdn_backward_f64(const gdn_bwd_call *call);
+void gdn_backward_f32(const gdn_bwd_call *call);
 
 /* The multiply-add ceiling of the instruction set the kernels use: GFLOP/s (a multiply-add counts
  * 2) of independent vector FMA chains on num_threads threads (0: OpenMP's default), float32 or

@@ -268,20 +268,46 @@ int gdn_openmp_enabled(void)
 
 /* ---- run-time dispatch -------------------------------------------------------------------- */
 
+/* The kernel instances: gdn_recurrent.inc compiled once per instruction set (gdn_instances.inc
+ * names them through SFX; the names are written out here so that grep finds them). */
 #define GDN_DECLARE_ISA(isa)                                                                     \
     double gdn_fma_probe_f64_##isa(long iters, double m, double c);                              \
     double gdn_fma_probe_f32_##isa(long iters, float m, float c);                                \
     int gdn_fma_lanes_f64_##isa(void);                                                           \
-    int gdn_fma_lanes_f32_##isa(void);                                                           \
-    void gdn_forward_f64_##isa(GDN_FWD_ARGS(double));                                           \
-    void gdn_forward_f32_##isa(GDN_FWD_ARGS(float));                                            \
-    void gdn_backward_f64_##isa(GDN_BWD_ARGS(double));                                          \
-    void gdn_backward_f32_##isa(GDN_BWD_ARGS(float));
+    int gdn_fma_lanes_f32_##isa(void);
 GDN_DECLARE_ISA(generic)
+void gdn_forward_f32_generic(const gdn_fwd_call *call);    /* gdn_kernels.c (portable) */
+void gdn_forward_f64_generic(const gdn_fwd_call *call);
+void gdn_backward_f32_generic(const gdn_bwd_call *call);
+void gdn_backward_f64_generic(const gdn_bwd_call *call);
 #if GDN_X86_DISPATCH
 GDN_DECLARE_ISA(avx2)
 GDN_DECLARE_ISA(avx512)
+void gdn_forward_f32_avx2(const gdn_fwd_call *call);       /* gdn_kernels_avx2.c */
+void gdn_forward_f64_avx2(const gdn_fwd_call *call);
+void gdn_backward_f32_avx2(const gdn_bwd_call *call);
+void gdn_backward_f64_avx2(const gdn_bwd_call *call);
+void gdn_forward_f32_avx512(const gdn_fwd_call *call);     /* gdn_kernels_avx512.c */
+void gdn_forward_f64_avx512(const gdn_fwd_call *call);
+void gdn_backward_f32_avx512(const gdn_bwd_call *call);
+void gdn_backward_f64_avx512(const gdn_bwd_call *call);
 #endif
+
+/* The kernels of each level, in the order of isa_names. */
+static const struct {
+    void (*forward_f32)(const gdn_fwd_call *);
+    void (*forward_f64)(const gdn_fwd_call *);
+    void (*backward_f32)(const gdn_bwd_call *);
+    void (*backward_f64)(const gdn_bwd_call *);
+} kernels[] = {
+    {gdn_forward_f32_generic, gdn_forward_f64_generic, gdn_backward_f32_generic,
+     gdn_backward_f64_generic},
+#if GDN_X86_DISPATCH
+    {gdn_forward_f32_avx2, gdn_forward_f64_avx2, gdn_backward_f32_avx2, gdn_backward_f64_avx2},
+    {gdn_forward_f32_avx512, gdn_forward_f64_avx512, gdn_backward_f32_avx512,
+     gdn_backward_f64_avx512},
+#endif
+};
 
 static int isa_level = 0;   /* 0 portable, 1 AVX2 + FMA, 2 AVX-512; set once by gdn_init */
 static const char *const isa_names[] = {"generic", "avx2", "avx512"};
@@ -308,25 +334,10 @@ void gdn_init(void)
 
 const char *gdn_isa(void) { return isa_names[isa_level]; }
 
-#if GDN_X86_DISPATCH
-#define GDN_DISPATCH(fn, ...)                                                                    \
-    do {                                                                                         \
-        if (isa_level == 2) fn##_avx512(__VA_ARGS__);                                            \
-        else if (isa_level == 1) fn##_avx2(__VA_ARGS__);                                         \
-        else fn##_generic(__VA_ARGS__);                                                          \
-    } while (0)
-#else
-#define GDN_DISPATCH(fn, ...) fn##_generic(__VA_ARGS__)
-#endif
-
-#define FWD_CALL o, S_T, ckpt, q, k, v, alpha, beta, S_0, scale, normalize_qk, delta_rule, \
-                 cu_seqlens, st, sz, num_threads, ws
-#define BWD_CALL dq, dk, dv, dalpha, dbeta, dS_0, d_o, q, k, v, alpha, beta, S_0, dS_T, ckpt, scale, \
-                 normalize_qk, delta_rule, cu_seqlens, st, sz, num_threads, ws
-void gdn_forward_f64(GDN_FWD_ARGS(double)) { GDN_DISPATCH(gdn_forward_f64, FWD_CALL); }
-void gdn_forward_f32(GDN_FWD_ARGS(float)) { GDN_DISPATCH(gdn_forward_f32, FWD_CALL); }
-void gdn_backward_f64(GDN_BWD_ARGS(double)) { GDN_DISPATCH(gdn_backward_f64, BWD_CALL); }
-void gdn_backward_f32(GDN_BWD_ARGS(float)) { GDN_DISPATCH(gdn_backward_f32, BWD_CALL); }
+void gdn_forward_f32(const gdn_fwd_call *call) { kernels[isa_level].forward_f32(call); }
+void gdn_forward_f64(const gdn_fwd_call *call) { kernels[isa_level].forward_f64(call); }
+void gdn_backward_f32(const gdn_bwd_call *call) { kernels[isa_level].backward_f32(call); }
+void gdn_backward_f64(const gdn_bwd_call *call) { kernels[isa_level].backward_f64(call); }
 
 #if GDN_X86_DISPATCH
 #define GDN_DISPATCH_RET(fn, ...)                                                                \
