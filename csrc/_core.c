@@ -456,11 +456,11 @@ static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[2], .Dv = dims[3],     \
                           .max_len = dims[1], .dalpha_summed = 1};                               \
     const gdn_fwd_strides st = {                                                                 \
-        .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
-        .k_n = p[K].n, .k_t = p[K].c[0], .k_k = p[K].c[1],                                      \
-        .v_n = p[V].n, .v_t = p[V].c[0], .v_v = p[V].c[1],                                      \
-        .a_n = p[A].n, .a_t = p[A].c[0], .a_k = 0, .b_n = p[B].n, .b_t = p[B].c[0],              \
-        .s0_n = p[S0].n, .s0_v = p[S0].c[0], .s0_k = p[S0].c[1], .sc_n = p[SC].n, .cu_m = 1,     \
+        .in.q_n = p[Q].n, .in.q_t = p[Q].c[0], .in.q_k = p[Q].c[1],                                      \
+        .in.k_n = p[K].n, .in.k_t = p[K].c[0], .in.k_k = p[K].c[1],                                      \
+        .in.v_n = p[V].n, .in.v_t = p[V].c[0], .in.v_v = p[V].c[1],                                      \
+        .in.a_n = p[A].n, .in.a_t = p[A].c[0], .in.a_k = 0, .in.b_n = p[B].n, .in.b_t = p[B].c[0],              \
+        .in.s0_n = p[S0].n, .in.s0_v = p[S0].c[0], .in.s0_k = p[S0].c[1], .in.sc_n = p[SC].n, .in.cu_m = 1,     \
         .o_n = p[O].n, .o_t = p[O].c[0], .o_v = p[O].c[1],                                      \
         .sT_n = p[ST].n, .sT_v = p[ST].c[0], .sT_k = p[ST].c[1],                                 \
         .ck_n = p[CK].n, .ck_c = p[CK].c[0], .ck_v = p[CK].c[1], .ck_k = p[CK].c[2]};            \
@@ -506,18 +506,18 @@ static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
     if (unalias_inputs(args, p, nd, (const int (*)[4])cd, is, dims, nin, nops, S0, ST, tmp) < 0) \
         return;                                                                                  \
     const gdn_fwd_strides st = {                                                                 \
-        .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
-        .k_n = p[K].n, .k_t = p[K].c[0], .k_k = p[K].c[1],                                      \
-        .v_n = p[V].n, .v_t = p[V].c[0], .v_v = p[V].c[1],                                      \
-        .a_n = p[A].n, .a_t = p[A].c[0], .a_k = p[A].c[1], .b_n = p[B].n, .b_t = p[B].c[0],      \
-        .s0_n = p[S0].n, .s0_s = p[S0].c[0], .s0_v = p[S0].c[1], .s0_k = p[S0].c[2],             \
-        .sc_n = p[SC].n, .nq_n = p[NQ].n, .dr_n = p[DR].n, .cu_n = p[CU].n,                      \
-        .cu_m = p[CU].c[0], .o_n = p[O].n, .o_t = p[O].c[0], .o_v = p[O].c[1],                  \
+        .in.q_n = p[Q].n, .in.q_t = p[Q].c[0], .in.q_k = p[Q].c[1],                                      \
+        .in.k_n = p[K].n, .in.k_t = p[K].c[0], .in.k_k = p[K].c[1],                                      \
+        .in.v_n = p[V].n, .in.v_t = p[V].c[0], .in.v_v = p[V].c[1],                                      \
+        .in.a_n = p[A].n, .in.a_t = p[A].c[0], .in.a_k = p[A].c[1], .in.b_n = p[B].n, .in.b_t = p[B].c[0],      \
+        .in.s0_n = p[S0].n, .in.s0_s = p[S0].c[0], .in.s0_v = p[S0].c[1], .in.s0_k = p[S0].c[2],             \
+        .in.sc_n = p[SC].n, .in.nq_n = p[NQ].n, .in.dr_n = p[DR].n, .in.cu_n = p[CU].n,                      \
+        .in.cu_m = p[CU].c[0], .o_n = p[O].n, .o_t = p[O].c[0], .o_v = p[O].c[1],                  \
         .sT_n = p[ST].n, .sT_s = p[ST].c[0], .sT_v = p[ST].c[1], .sT_k = p[ST].c[2],             \
         .ck_n = p[CK].n, .ck_s = p[CK].c[0], .ck_c = p[CK].c[1], .ck_v = p[CK].c[2],             \
         .ck_k = p[CK].c[3]};                                                                     \
     ptrdiff_t max_len = 0;                                                                       \
-    if (check_packed(args[CU], st.cu_n, st.cu_m, dims, ck, &max_len) < 0) {                      \
+    if (check_packed(args[CU], st.in.cu_n, st.in.cu_m, dims, ck, &max_len) < 0) {                      \
         free_copies(tmp, nin);                                                                   \
         return;                                                                                  \
     }                                                                                            \
@@ -576,13 +576,13 @@ static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *st
     const op_strides *c = ck ? &p[CK] : &none;                                                   \
     const gdn_bwd_strides st = {                                                                 \
         .do_n = p[DO].n, .do_t = p[DO].c[0], .do_v = p[DO].c[1],                                \
-        .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
-        .k_n = p[K].n, .k_t = p[K].c[0], .k_k = p[K].c[1],                                      \
-        .v_n = p[V].n, .v_t = p[V].c[0], .v_v = p[V].c[1],                                      \
-        .a_n = p[A].n, .a_t = p[A].c[0], .a_k = 0, .b_n = p[B].n, .b_t = p[B].c[0],              \
-        .s0_n = p[S0].n, .s0_v = p[S0].c[0], .s0_k = p[S0].c[1],                                 \
+        .in.q_n = p[Q].n, .in.q_t = p[Q].c[0], .in.q_k = p[Q].c[1],                                      \
+        .in.k_n = p[K].n, .in.k_t = p[K].c[0], .in.k_k = p[K].c[1],                                      \
+        .in.v_n = p[V].n, .in.v_t = p[V].c[0], .in.v_v = p[V].c[1],                                      \
+        .in.a_n = p[A].n, .in.a_t = p[A].c[0], .in.a_k = 0, .in.b_n = p[B].n, .in.b_t = p[B].c[0],              \
+        .in.s0_n = p[S0].n, .in.s0_v = p[S0].c[0], .in.s0_k = p[S0].c[1],                                 \
         .dsT_n = p[DST].n, .dsT_v = p[DST].c[0], .dsT_k = p[DST].c[1],                           \
-        .sc_n = p[SC].n, .cu_m = 1,                                                              \
+        .in.sc_n = p[SC].n, .in.cu_m = 1,                                                              \
         .dq_n = p[DQ].n, .dq_t = p[DQ].c[0], .dq_k = p[DQ].c[1],                                \
         .dk_n = p[DK].n, .dk_t = p[DK].c[0], .dk_k = p[DK].c[1],                                \
         .dv_n = p[DV].n, .dv_t = p[DV].c[0], .dv_v = p[DV].c[1],                                \
@@ -643,14 +643,14 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
     const op_strides *c = ck ? &p[CK] : &none;                                                   \
     const gdn_bwd_strides st = {                                                                 \
         .do_n = p[DO].n, .do_t = p[DO].c[0], .do_v = p[DO].c[1],                                \
-        .q_n = p[Q].n, .q_t = p[Q].c[0], .q_k = p[Q].c[1],                                      \
-        .k_n = p[K].n, .k_t = p[K].c[0], .k_k = p[K].c[1],                                      \
-        .v_n = p[V].n, .v_t = p[V].c[0], .v_v = p[V].c[1],                                      \
-        .a_n = p[A].n, .a_t = p[A].c[0], .a_k = p[A].c[1], .b_n = p[B].n, .b_t = p[B].c[0],      \
-        .s0_n = p[S0].n, .s0_s = p[S0].c[0], .s0_v = p[S0].c[1], .s0_k = p[S0].c[2],             \
+        .in.q_n = p[Q].n, .in.q_t = p[Q].c[0], .in.q_k = p[Q].c[1],                                      \
+        .in.k_n = p[K].n, .in.k_t = p[K].c[0], .in.k_k = p[K].c[1],                                      \
+        .in.v_n = p[V].n, .in.v_t = p[V].c[0], .in.v_v = p[V].c[1],                                      \
+        .in.a_n = p[A].n, .in.a_t = p[A].c[0], .in.a_k = p[A].c[1], .in.b_n = p[B].n, .in.b_t = p[B].c[0],      \
+        .in.s0_n = p[S0].n, .in.s0_s = p[S0].c[0], .in.s0_v = p[S0].c[1], .in.s0_k = p[S0].c[2],             \
         .dsT_n = p[DST].n, .dsT_s = p[DST].c[0], .dsT_v = p[DST].c[1], .dsT_k = p[DST].c[2],     \
-        .sc_n = p[SC].n, .nq_n = p[NQ].n, .dr_n = p[DR].n, .cu_n = p[CU].n,                      \
-        .cu_m = p[CU].c[0], .dq_n = p[DQ].n, .dq_t = p[DQ].c[0], .dq_k = p[DQ].c[1],             \
+        .in.sc_n = p[SC].n, .in.nq_n = p[NQ].n, .in.dr_n = p[DR].n, .in.cu_n = p[CU].n,                      \
+        .in.cu_m = p[CU].c[0], .dq_n = p[DQ].n, .dq_t = p[DQ].c[0], .dq_k = p[DQ].c[1],             \
         .dk_n = p[DK].n, .dk_t = p[DK].c[0], .dk_k = p[DK].c[1],                                \
         .dv_n = p[DV].n, .dv_t = p[DV].c[0], .dv_v = p[DV].c[1],                                \
         .da_n = p[DA].n, .da_t = p[DA].c[0], .da_k = p[DA].c[1],                                \
@@ -658,7 +658,7 @@ static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const
         .ds0_n = p[DS0].n, .ds0_s = p[DS0].c[0], .ds0_v = p[DS0].c[1], .ds0_k = p[DS0].c[2],     \
         .ck_n = c->n, .ck_s = c->c[0], .ck_c = c->c[1], .ck_v = c->c[2], .ck_k = c->c[3]};       \
     ptrdiff_t max_len = 0;                                                                       \
-    if (check_packed(args[CU], st.cu_n, st.cu_m, dims, ck, &max_len) < 0) {                      \
+    if (check_packed(args[CU], st.in.cu_n, st.in.cu_m, dims, ck, &max_len) < 0) {                      \
         free_copies(tmp, nin);                                                                   \
         return;                                                                                  \
     }                                                                                            \

@@ -52,9 +52,9 @@ gdn_fpmode gdn_flush_begin(void);          /* returns the calling thread's previ
 void gdn_flush_end(gdn_fpmode previous);   /* the exception flags raised meanwhile stay */
 int gdn_flush_supported(void);             /* 1 where the modes exist (x86-64, AArch64) */
 
-/* Per-operand strides of the forward pass, in elements. "n" is the stride between the N loop
- * elements, "s" between the NS sequences of one packed (varlen) loop element; the other letters name
- * the core axis they step along. A scalar gate is a per-key gate with a_k = 0. */
+/* Per-operand strides, in elements. "n" is the stride between the N loop elements, "s" between the
+ * NS sequences of one packed (varlen) loop element; the other letters name the core axis they step
+ * along. A scalar gate is a per-key gate with a_k = 0. The inputs that both passes read: */
 typedef struct {
     ptrdiff_t q_n, q_t, q_k;                 /* q      [N, T, Dk]     */
     ptrdiff_t k_n, k_t, k_k;                 /* k      [N, T, Dk]     */
@@ -66,32 +66,28 @@ typedef struct {
     ptrdiff_t nq_n;                          /* normalize_qk [N]      */
     ptrdiff_t dr_n;                          /* delta_rule [N]        */
     ptrdiff_t cu_n, cu_m;                    /* cu_seqlens [N, NS + 1] */
+} gdn_in_strides;
+
+/* The forward's: its inputs, then its outputs. */
+typedef struct {
+    gdn_in_strides in;
     ptrdiff_t o_n, o_t, o_v;                 /* o      [N, T, Dv]     */
     ptrdiff_t sT_n, sT_s, sT_v, sT_k;        /* S_T    [N, NS, Dv, Dk] */
     ptrdiff_t ck_n, ck_s, ck_c, ck_v, ck_k;  /* checkpoints [N, NS, NCK, Dv, Dk] (optional) */
 } gdn_fwd_strides;
 
-/* Per-operand strides of the backward pass, in elements. */
+/* The backward's: the shared inputs, its own inputs, its outputs. */
 typedef struct {
+    gdn_in_strides in;
     ptrdiff_t do_n, do_t, do_v;              /* do     [N, T, Dv]     */
-    ptrdiff_t q_n, q_t, q_k;                 /* q      [N, T, Dk]     */
-    ptrdiff_t k_n, k_t, k_k;                 /* k      [N, T, Dk]     */
-    ptrdiff_t v_n, v_t, v_v;                 /* v      [N, T, Dv]     */
-    ptrdiff_t a_n, a_t, a_k;                 /* alpha  [N, T, Dk]     */
-    ptrdiff_t b_n, b_t;                      /* beta   [N, T]         */
-    ptrdiff_t s0_n, s0_s, s0_v, s0_k;        /* S_0    [N, NS, Dv, Dk] */
     ptrdiff_t dsT_n, dsT_s, dsT_v, dsT_k;    /* dS_T   [N, NS, Dv, Dk] */
-    ptrdiff_t sc_n;                          /* scale  [N]            */
-    ptrdiff_t nq_n;                          /* normalize_qk [N]      */
-    ptrdiff_t dr_n;                          /* delta_rule [N]        */
-    ptrdiff_t cu_n, cu_m;                    /* cu_seqlens [N, NS + 1] */
+    ptrdiff_t ck_n, ck_s, ck_c, ck_v, ck_k;  /* checkpoints [N, NS, NCK, Dv, Dk] (optional) */
     ptrdiff_t dq_n, dq_t, dq_k;              /* dq     [N, T, Dk]     */
     ptrdiff_t dk_n, dk_t, dk_k;              /* dk     [N, T, Dk]     */
     ptrdiff_t dv_n, dv_t, dv_v;              /* dv     [N, T, Dv]     */
     ptrdiff_t da_n, da_t, da_k;              /* dalpha [N, T, Dk] ([N, T] when summed) */
     ptrdiff_t db_n, db_t;                    /* dbeta  [N, T]         */
     ptrdiff_t ds0_n, ds0_s, ds0_v, ds0_k;    /* dS_0   [N, NS, Dv, Dk] */
-    ptrdiff_t ck_n, ck_s, ck_c, ck_v, ck_k;  /* checkpoints [N, NS, NCK, Dv, Dk] (optional) */
 } gdn_bwd_strides;
 
 /* Cancellation of one call (Ctrl-C): a flag of the caller's that its SIGINT handler sets. The
