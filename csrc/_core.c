@@ -102,14 +102,6 @@ bad:
     return -1;
 }
 
-/* The loops' data: a set of GDN_WITH_* flags. _ckpt gufuncs have one more operand, the
- * checkpoints (the forward's last output, the backward's last input); the gated_rule gufuncs
- * (the general pair of the rule family) one more input, delta_rule (), after cu_seqlens. */
-enum { GDN_WITH_CKPT = 1, GDN_WITH_RULE = 2 };
-static int with_ckpt = GDN_WITH_CKPT, with_rule = GDN_WITH_RULE,
-           with_rule_ckpt = GDN_WITH_RULE | GDN_WITH_CKPT;
-#define LOOP_FLAGS(data) ((data) != NULL ? *(const int *)(data) : 0)
-
 /* Enough checkpoints for the longest sequence? (-1 with ValueError set if not.) */
 static int check_ckpt_count(ptrdiff_t have, ptrdiff_t max_len)
 {
@@ -398,297 +390,295 @@ static int skip_loop(void)
     return pending;
 }
 
-/* Runs the kernel over nt threads' workspace of len elements each (NULL workspace: error set),
- * as the main thread's call asks: stopped by Ctrl-C, then dropped (a handler raised) or run again
- * to its end, once, this time not stopped (signals then are handled when it ends: a stream of
- * SIGINTs whose handler does not raise cannot keep a call from finishing). `inplace`: S_0 is S_T's
- * memory, a second run would start from a half-updated state, so it is never stopped. Frees the
- * input copies. */
-#define RUN_WITH_WORKSPACE(REAL, nt, len, inplace, tmp, ntmp, call)                              \
-    do {                                                                                         \
-        REAL *ws = alloc_workspace(nt, len, sizeof(REAL));                                       \
-        if (ws != NULL) {                                                                        \
-            const int bare = this_call.depth == 0;                                               \
-            if (bare) call_open(0);                                                              \
-            gdn_cancel_flag *flag = (inplace) ? NULL : call_flag();                             \
-            int r = GDN_CANCELLED(flag) ? after_interrupt() : 0;   /* during the casts */        \
-            if (r >= 0) {                                                                        \
-                sz.cancel = flag;                                                                \
-                call;                                                                            \
-                if (GDN_CANCELLED(flag) && after_interrupt() == 1) {                             \
-                    sz.cancel = NULL;                                                            \
-                    call;                                                                        \
-                    if (GDN_CANCELLED(flag)) after_interrupt();                                  \
-                }                                                                                \
-            }                                                                                    \
-            if (bare) call_close();                                                              \
-            PyMem_RawFree(ws);                                                                   \
-        }                                                                                        \
-        free_copies(tmp, ntmp);                                                                  \
-    } while (0)
-
-/*
- * Forward loops. Operands (core dimensions):
- *   scalar gate: q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) scale() -> o(t,v) S_T(v,k)
- *                [ckpt(c,v,k)];                       dims [N, t, k, v, (c)]
- *   general:     q k v alpha(t,k) beta(t) S_0(n,v,k) scale() normalize_qk() cu_seqlens(m)
- *                -> o(t,v) S_T(n,v,k) [ckpt(n,c,v,k)]; dims [N, t, k, v, n, m, (c)]
- * A scalar gate is a per-key gate with key stride 0; one unpacked sequence: cu_seqlens = {0, T}.
- */
-#define DEFINE_FWD_LOOPS(SUF, REAL)                                                              \
-static void fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
-{                                                                                                \
-    if (skip_loop()) return;                                                                     \
-    enum { Q, K, V, A, B, S0, SC, O, ST, CK };                                                   \
-    static const int nd[] = {2, 2, 2, 1, 1, 2, 0, 2, 2, 3};                                     \
-    const size_t is[] = {sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL),  \
-                         sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL), sizeof(REAL)}; \
-    static const int cd[][4] = {{1, 2}, {1, 2}, {1, 3}, {1}, {1}, {3, 2}, {0}, {1, 3}, {3, 2},  \
-                                {4, 3, 2}};                                                      \
-    const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0;                                      \
-    op_strides p[10] = {{0}};                                                                    \
-    if (operand_strides(p, steps, nd, is, 9 + ck) < 0) return;                                  \
-    char *argv[10];                                                                              \
-    void *tmp[7];                                                                                \
-    memcpy(argv, args, (size_t)(9 + ck) * sizeof(char *));                                       \
-    args = argv;                                                                                 \
-    if (unalias_inputs(args, p, nd, cd, is, dims, 7, 9 + ck, S0, ST, tmp) < 0) return;          \
-    gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[2], .Dv = dims[3],     \
-                          .max_len = dims[1], .dalpha_summed = 1};                               \
-    const gdn_fwd_strides st = {                                                                 \
-        .in.q_n = p[Q].n, .in.q_t = p[Q].c[0], .in.q_k = p[Q].c[1],                                      \
-        .in.k_n = p[K].n, .in.k_t = p[K].c[0], .in.k_k = p[K].c[1],                                      \
-        .in.v_n = p[V].n, .in.v_t = p[V].c[0], .in.v_v = p[V].c[1],                                      \
-        .in.a_n = p[A].n, .in.a_t = p[A].c[0], .in.a_k = 0, .in.b_n = p[B].n, .in.b_t = p[B].c[0],              \
-        .in.s0_n = p[S0].n, .in.s0_v = p[S0].c[0], .in.s0_k = p[S0].c[1], .in.sc_n = p[SC].n, .in.cu_m = 1,     \
-        .o_n = p[O].n, .o_t = p[O].c[0], .o_v = p[O].c[1],                                      \
-        .sT_n = p[ST].n, .sT_v = p[ST].c[0], .sT_k = p[ST].c[1],                                 \
-        .ck_n = p[CK].n, .ck_c = p[CK].c[0], .ck_v = p[CK].c[1], .ck_k = p[CK].c[2]};            \
-    if (ck && check_ckpt_count(dims[4], sz.T) < 0) {                                             \
-        free_copies(tmp, 7);                                                                     \
-        return;                                                                                  \
-    }                                                                                            \
-    const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
-    const REAL no = 0;                                                                           \
-    const int nt = TEAM(gdn_fwd_items(sz.N, sz.Dv));                                           \
-    gdn_fwd_call fc = {.q = args[Q], .k = args[K], .v = args[V], .alpha = args[A],              \
-                       .beta = args[B], .S_0 = args[S0], .scale = args[SC], .normalize_qk = &no, \
-                       .delta_rule = NULL, .cu_seqlens = cu, .o = args[O], .S_T = args[ST],      \
-                       .ckpt = ck ? args[CK] : NULL, .st = &st, .sz = &sz, .num_threads = nt};  \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(sz.T, sz.Dk, sz.Dv), args[S0] == args[ST], tmp, 7,        \
-        (fc.ws = ws, gdn_forward_##SUF(&fc)));                                                   \
-}                                                                                                \
-                                                                                                 \
-static void gen_fwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,         \
-                               void *data)                                                       \
-{                                                                                                \
-    if (skip_loop()) return;                                                                     \
-    enum { Q, K, V, A, B, S0, SC, NQ, CU, NIN };                                                 \
-    const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0;                                      \
-    const int dr = (LOOP_FLAGS(data) & GDN_WITH_RULE) != 0;                                      \
-    const int DR = NIN, O = NIN + dr, ST = O + 1, CK = ST + 1, nin = NIN + dr, nops = CK + ck;   \
-    int nd[13] = {2, 2, 2, 2, 1, 3, 0, 0, 1, 0};                                                 \
-    nd[O] = 2, nd[ST] = 3, nd[CK] = 4;                                                           \
-    size_t is[13];                                                                               \
-    for (int i = 0; i < 13; i++) is[i] = i == CU ? sizeof(int64_t) : sizeof(REAL);               \
-    static const int cd_in[][4] = {{1, 2}, {1, 2}, {1, 3}, {1, 2}, {1}, {4, 3, 2}, {0}, {0}, {5}, \
-                                   {0}};                                                         \
-    static const int cd_out[][4] = {{1, 3}, {4, 3, 2}, {4, 6, 3, 2}};                            \
-    int cd[13][4];                                                                               \
-    for (int i = 0; i < nin; i++) memcpy(cd[i], cd_in[i], sizeof cd[i]);                         \
-    for (int i = 0; i < 3; i++) memcpy(cd[O + i], cd_out[i], sizeof cd[i]);                      \
-    op_strides p[13] = {{0}};                                                                    \
-    if (operand_strides(p, steps, nd, is, nops) < 0) return;                                     \
-    char *argv[13];                                                                              \
-    void *tmp[10];                                                                               \
-    memcpy(argv, args, (size_t)nops * sizeof(char *));                                           \
-    args = argv;                                                                                 \
-    if (unalias_inputs(args, p, nd, (const int (*)[4])cd, is, dims, nin, nops, S0, ST, tmp) < 0) \
-        return;                                                                                  \
-    const gdn_fwd_strides st = {                                                                 \
-        .in.q_n = p[Q].n, .in.q_t = p[Q].c[0], .in.q_k = p[Q].c[1],                                      \
-        .in.k_n = p[K].n, .in.k_t = p[K].c[0], .in.k_k = p[K].c[1],                                      \
-        .in.v_n = p[V].n, .in.v_t = p[V].c[0], .in.v_v = p[V].c[1],                                      \
-        .in.a_n = p[A].n, .in.a_t = p[A].c[0], .in.a_k = p[A].c[1], .in.b_n = p[B].n, .in.b_t = p[B].c[0],      \
-        .in.s0_n = p[S0].n, .in.s0_s = p[S0].c[0], .in.s0_v = p[S0].c[1], .in.s0_k = p[S0].c[2],             \
-        .in.sc_n = p[SC].n, .in.nq_n = p[NQ].n, .in.dr_n = p[DR].n, .in.cu_n = p[CU].n,                      \
-        .in.cu_m = p[CU].c[0], .o_n = p[O].n, .o_t = p[O].c[0], .o_v = p[O].c[1],                  \
-        .sT_n = p[ST].n, .sT_s = p[ST].c[0], .sT_v = p[ST].c[1], .sT_k = p[ST].c[2],             \
-        .ck_n = p[CK].n, .ck_s = p[CK].c[0], .ck_c = p[CK].c[1], .ck_v = p[CK].c[2],             \
-        .ck_k = p[CK].c[3]};                                                                     \
-    ptrdiff_t max_len = 0;                                                                       \
-    if (check_packed(args[CU], st.in.cu_n, st.in.cu_m, dims, ck, &max_len) < 0) {                      \
-        free_copies(tmp, nin);                                                                   \
-        return;                                                                                  \
-    }                                                                                            \
-    gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[2],              \
-                          .Dv = dims[3], .max_len = max_len, .dalpha_summed = 0};                \
-    const int nt = TEAM(gdn_fwd_items(sz.N * sz.NS, sz.Dv));                                   \
-    gdn_fwd_call fc = {.q = args[Q], .k = args[K], .v = args[V], .alpha = args[A],              \
-                       .beta = args[B], .S_0 = args[S0], .scale = args[SC],                      \
-                       .normalize_qk = args[NQ], .delta_rule = dr ? args[DR] : NULL,             \
-                       .cu_seqlens = (const int64_t *)args[CU], .o = args[O], .S_T = args[ST],   \
-                       .ckpt = ck ? args[CK] : NULL, .st = &st, .sz = &sz, .num_threads = nt};  \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_fwd_workspace_len(max_len, sz.Dk, sz.Dv), args[S0] == args[ST], tmp, nin,   \
-        (fc.ws = ws, gdn_forward_##SUF(&fc)));                                                   \
+/* Runs a kernel over nt threads' workspace of len items of `is` bytes each (NULL workspace: error
+ * set), as the main thread's call asks: stopped by Ctrl-C, then dropped (a handler raised) or run
+ * again to its end, once, this time not stopped (signals then are handled when it ends: a stream
+ * of SIGINTs whose handler does not raise cannot keep a call from finishing). `inplace`: S_0 is
+ * S_T's memory, a second run would start from a half-updated state, so it is never stopped.
+ * run(job, ws) runs the kernel; sz is the call's sizes (its cancel flag is set here). */
+static void run_with_workspace(int nt, size_t len, size_t is, int inplace, gdn_sizes *sz,
+                               void (*run)(void *job, void *ws), void *job)
+{
+    void *ws = alloc_workspace(nt, len, is);
+    if (ws == NULL) return;
+    const int bare = this_call.depth == 0;
+    if (bare) call_open(0);
+    gdn_cancel_flag *flag = inplace ? NULL : call_flag();
+    const int r = GDN_CANCELLED(flag) ? after_interrupt() : 0;   /* during the casts */
+    if (r >= 0) {
+        sz->cancel = flag;
+        run(job, ws);
+        if (GDN_CANCELLED(flag) && after_interrupt() == 1) {
+            sz->cancel = NULL;
+            run(job, ws);
+            if (GDN_CANCELLED(flag)) after_interrupt();
+        }
+    }
+    if (bare) call_close();
+    PyMem_RawFree(ws);
 }
 
-/*
- * Backward loops. Operands (core dimensions):
- *   scalar gate: do(t,v) q(t,k) k(t,k) v(t,v) alpha(t) beta(t) S_0(v,k) dS_T(v,k) scale()
- *                [ckpt(c,v,k)] -> dq(t,k) dk(t,k) dv(t,v) dalpha(t) dbeta(t) dS_0(v,k);
- *                dims [N, t, v, k, (c)]
- *   general:     do q k v alpha(t,k) beta(t) S_0(n,v,k) dS_T(n,v,k) scale() normalize_qk()
- *                cu_seqlens(m) [ckpt(n,c,v,k)] -> dq dk dv dalpha(t,k) dbeta(t) dS_0(n,v,k);
- *                dims [N, t, v, k, n, m, (c)]
- * The outputs come after the optional checkpoints, so their positions shift with ck.
- */
-#define DEFINE_BWD_LOOPS(SUF, REAL)                                                              \
-static void bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps, void *data) \
-{                                                                                                \
-    if (skip_loop()) return;                                                                     \
-    enum { DO, Q, K, V, A, B, S0, DST, SC, NIN };                                                \
-    const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0, CK = NIN, DQ = NIN + ck, DK = DQ + 1, DV = DQ + 2, DA = DQ + 3, \
-              DB = DQ + 4, DS0 = DQ + 5;                                                         \
-    int nd[16] = {2, 2, 2, 2, 1, 1, 2, 2, 0, 3};                                                 \
-    const int out_nd[] = {2, 2, 2, 1, 1, 2};                                                     \
-    size_t is[16];                                                                               \
-    for (int i = 0; i < 6; i++) nd[DQ + i] = out_nd[i];                                          \
-    for (int i = 0; i < 16; i++) is[i] = sizeof(REAL);                                           \
-    static const int cd_in[][4] = {{1, 2}, {1, 3}, {1, 3}, {1, 2}, {1}, {1}, {2, 3}, {2, 3},     \
-                                   {0}, {4, 2, 3}};                                              \
-    static const int cd_out[][4] = {{1, 3}, {1, 3}, {1, 2}, {1}, {1}, {2, 3}};                   \
-    int cd[16][4];                                                                               \
-    for (int i = 0; i < NIN + ck; i++) memcpy(cd[i], cd_in[i], sizeof cd[i]);                    \
-    for (int i = 0; i < 6; i++) memcpy(cd[DQ + i], cd_out[i], sizeof cd[i]);                     \
-    op_strides p[16] = {{0}};                                                                    \
-    if (operand_strides(p, steps, nd, is, DS0 + 1) < 0) return;                                 \
-    char *argv[16];                                                                              \
-    void *tmp[16];                                                                               \
-    memcpy(argv, args, (size_t)(DS0 + 1) * sizeof(char *));                                      \
-    args = argv;                                                                                 \
-    if (unalias_inputs(args, p, nd, (const int (*)[4])cd, is, dims, NIN + ck, DS0 + 1, -1, -1,  \
-                       tmp) < 0)                                                                 \
-        return;                                                                                  \
-    gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = 1, .Dk = dims[3], .Dv = dims[2],     \
-                          .max_len = dims[1], .dalpha_summed = 1};                               \
-    const op_strides none = {0};                                                                 \
-    const op_strides *c = ck ? &p[CK] : &none;                                                   \
-    const gdn_bwd_strides st = {                                                                 \
-        .do_n = p[DO].n, .do_t = p[DO].c[0], .do_v = p[DO].c[1],                                \
-        .in.q_n = p[Q].n, .in.q_t = p[Q].c[0], .in.q_k = p[Q].c[1],                                      \
-        .in.k_n = p[K].n, .in.k_t = p[K].c[0], .in.k_k = p[K].c[1],                                      \
-        .in.v_n = p[V].n, .in.v_t = p[V].c[0], .in.v_v = p[V].c[1],                                      \
-        .in.a_n = p[A].n, .in.a_t = p[A].c[0], .in.a_k = 0, .in.b_n = p[B].n, .in.b_t = p[B].c[0],              \
-        .in.s0_n = p[S0].n, .in.s0_v = p[S0].c[0], .in.s0_k = p[S0].c[1],                                 \
-        .dsT_n = p[DST].n, .dsT_v = p[DST].c[0], .dsT_k = p[DST].c[1],                           \
-        .in.sc_n = p[SC].n, .in.cu_m = 1,                                                              \
-        .dq_n = p[DQ].n, .dq_t = p[DQ].c[0], .dq_k = p[DQ].c[1],                                \
-        .dk_n = p[DK].n, .dk_t = p[DK].c[0], .dk_k = p[DK].c[1],                                \
-        .dv_n = p[DV].n, .dv_t = p[DV].c[0], .dv_v = p[DV].c[1],                                \
-        .da_n = p[DA].n, .da_t = p[DA].c[0], .db_n = p[DB].n, .db_t = p[DB].c[0],                \
-        .ds0_n = p[DS0].n, .ds0_v = p[DS0].c[0], .ds0_k = p[DS0].c[1],                           \
-        .ck_n = c->n, .ck_c = c->c[0], .ck_v = c->c[1], .ck_k = c->c[2]};                        \
-    if (ck && check_ckpt_count(dims[4], sz.T) < 0) {                                             \
-        free_copies(tmp, NIN + ck);                                                              \
-        return;                                                                                  \
-    }                                                                                            \
-    const int64_t cu[2] = {0, (int64_t)sz.T};                                                    \
-    const REAL no = 0;                                                                           \
-    const int nt = TEAM(gdn_bwd_items(sz.N, sz.Dv));                                           \
-    gdn_bwd_call bc = {.d_o = args[DO], .q = args[Q], .k = args[K], .v = args[V],              \
-                       .alpha = args[A], .beta = args[B], .S_0 = args[S0], .dS_T = args[DST],    \
-                       .ckpt = ck ? args[CK] : NULL, .scale = args[SC], .normalize_qk = &no,     \
-                       .delta_rule = NULL, .cu_seqlens = cu, .dq = args[DQ], .dk = args[DK],     \
-                       .dv = args[DV], .dalpha = args[DA], .dbeta = args[DB], .dS_0 = args[DS0], \
-                       .st = &st, .sz = &sz, .num_threads = nt};                                 \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(sz.T, sz.Dk, sz.Dv), 0, tmp, NIN + ck, \
-        (bc.ws = ws, gdn_backward_##SUF(&bc)));                                                  \
-}                                                                                                \
-                                                                                                 \
-static void gen_bwd_loop_##SUF(char **args, npy_intp const *dims, npy_intp const *steps,         \
-                               void *data)                                                       \
-{                                                                                                \
-    if (skip_loop()) return;                                                                     \
-    enum { DO, Q, K, V, A, B, S0, DST, SC, NQ, CU, NIN };                                        \
-    const int ck = (LOOP_FLAGS(data) & GDN_WITH_CKPT) != 0;                                      \
-    const int dr = (LOOP_FLAGS(data) & GDN_WITH_RULE) != 0;                                      \
-    const int DR = NIN, CK = NIN + dr, DQ = CK + ck, DK = DQ + 1, DV = DQ + 2, DA = DQ + 3,      \
-              DB = DQ + 4, DS0 = DQ + 5, nin = DQ;                                               \
-    int nd[19] = {2, 2, 2, 2, 2, 1, 3, 3, 0, 0, 1};                                              \
-    const int out_nd[] = {2, 2, 2, 2, 1, 3};                                                     \
-    size_t is[19];                                                                               \
-    nd[DR] = 0, nd[CK] = 4;                                                                      \
-    for (int i = 0; i < 6; i++) nd[DQ + i] = out_nd[i];                                          \
-    for (int i = 0; i < 19; i++) is[i] = i == CU ? sizeof(int64_t) : sizeof(REAL);               \
-    static const int cd_in[][4] = {{1, 2}, {1, 3}, {1, 3}, {1, 2}, {1, 3}, {1}, {4, 2, 3},       \
-                                   {4, 2, 3}, {0}, {0}, {5}};                                    \
-    static const int cd_ck[4] = {4, 6, 2, 3}, cd_none[4] = {0};                                  \
-    static const int cd_out[][4] = {{1, 3}, {1, 3}, {1, 2}, {1, 3}, {1}, {4, 2, 3}};             \
-    int cd[19][4];                                                                               \
-    for (int i = 0; i < NIN; i++) memcpy(cd[i], cd_in[i], sizeof cd[i]);                         \
-    memcpy(cd[DR], cd_none, sizeof cd[DR]);                                                      \
-    if (ck) memcpy(cd[CK], cd_ck, sizeof cd[CK]);                                                \
-    for (int i = 0; i < 6; i++) memcpy(cd[DQ + i], cd_out[i], sizeof cd[i]);                     \
-    op_strides p[19] = {{0}};                                                                    \
-    if (operand_strides(p, steps, nd, is, DS0 + 1) < 0) return;                                 \
-    char *argv[19];                                                                              \
-    void *tmp[19];                                                                               \
-    memcpy(argv, args, (size_t)(DS0 + 1) * sizeof(char *));                                      \
-    args = argv;                                                                                 \
-    if (unalias_inputs(args, p, nd, (const int (*)[4])cd, is, dims, nin, DS0 + 1, -1, -1, tmp)  \
-        < 0)                                                                                     \
-        return;                                                                                  \
-    const op_strides none = {0};                                                                 \
-    const op_strides *c = ck ? &p[CK] : &none;                                                   \
-    const gdn_bwd_strides st = {                                                                 \
-        .do_n = p[DO].n, .do_t = p[DO].c[0], .do_v = p[DO].c[1],                                \
-        .in.q_n = p[Q].n, .in.q_t = p[Q].c[0], .in.q_k = p[Q].c[1],                                      \
-        .in.k_n = p[K].n, .in.k_t = p[K].c[0], .in.k_k = p[K].c[1],                                      \
-        .in.v_n = p[V].n, .in.v_t = p[V].c[0], .in.v_v = p[V].c[1],                                      \
-        .in.a_n = p[A].n, .in.a_t = p[A].c[0], .in.a_k = p[A].c[1], .in.b_n = p[B].n, .in.b_t = p[B].c[0],      \
-        .in.s0_n = p[S0].n, .in.s0_s = p[S0].c[0], .in.s0_v = p[S0].c[1], .in.s0_k = p[S0].c[2],             \
-        .dsT_n = p[DST].n, .dsT_s = p[DST].c[0], .dsT_v = p[DST].c[1], .dsT_k = p[DST].c[2],     \
-        .in.sc_n = p[SC].n, .in.nq_n = p[NQ].n, .in.dr_n = p[DR].n, .in.cu_n = p[CU].n,                      \
-        .in.cu_m = p[CU].c[0], .dq_n = p[DQ].n, .dq_t = p[DQ].c[0], .dq_k = p[DQ].c[1],             \
-        .dk_n = p[DK].n, .dk_t = p[DK].c[0], .dk_k = p[DK].c[1],                                \
-        .dv_n = p[DV].n, .dv_t = p[DV].c[0], .dv_v = p[DV].c[1],                                \
-        .da_n = p[DA].n, .da_t = p[DA].c[0], .da_k = p[DA].c[1],                                \
-        .db_n = p[DB].n, .db_t = p[DB].c[0],                                                    \
-        .ds0_n = p[DS0].n, .ds0_s = p[DS0].c[0], .ds0_v = p[DS0].c[1], .ds0_k = p[DS0].c[2],     \
-        .ck_n = c->n, .ck_s = c->c[0], .ck_c = c->c[1], .ck_v = c->c[2], .ck_k = c->c[3]};       \
-    ptrdiff_t max_len = 0;                                                                       \
-    if (check_packed(args[CU], st.in.cu_n, st.in.cu_m, dims, ck, &max_len) < 0) {                      \
-        free_copies(tmp, nin);                                                                   \
-        return;                                                                                  \
-    }                                                                                            \
-    gdn_sizes sz = {.N = dims[0], .T = dims[1], .NS = dims[4], .Dk = dims[3],              \
-                          .Dv = dims[2], .max_len = max_len, .dalpha_summed = 0};                \
-    const int nt = TEAM(gdn_bwd_items(sz.N * sz.NS, sz.Dv));                                   \
-    gdn_bwd_call bc = {.d_o = args[DO], .q = args[Q], .k = args[K], .v = args[V],              \
-                       .alpha = args[A], .beta = args[B], .S_0 = args[S0], .dS_T = args[DST],    \
-                       .ckpt = ck ? args[CK] : NULL, .scale = args[SC],                          \
-                       .normalize_qk = args[NQ], .delta_rule = dr ? args[DR] : NULL,             \
-                       .cu_seqlens = (const int64_t *)args[CU], .dq = args[DQ], .dk = args[DK],  \
-                       .dv = args[DV], .dalpha = args[DA], .dbeta = args[DB], .dS_0 = args[DS0], \
-                       .st = &st, .sz = &sz, .num_threads = nt};                                 \
-    RUN_WITH_WORKSPACE(REAL, nt, gdn_bwd_workspace_len(max_len, sz.Dk, sz.Dv), 0, tmp, nin,   \
-        (bc.ws = ws, gdn_backward_##SUF(&bc)));                                                  \
+/* ---- the gufunc loops -----------------------------------------------------------------------
+ * One loop function per family (forward, backward) serves all of its gufuncs; the loop's data, a
+ * loop_kind, names the variant and the dtype. Operands have roles, listed per family in operand
+ * order with their core dimensions by letter:
+ *   t steps, k keys, v values, n packed sequences, m cu_seqlens entries, c checkpoints.
+ * The scalar-gate gufuncs (dims [N, t, k, v, (c)] forward, [N, t, v, k, (c)] backward: the order
+ * in which the signature names them) hold one sequence per loop element; the general ones
+ * ([N, t, k|v, v|k, n, m, (c)]) a per-key gate, normalize_qk and n packed sequences; the _ckpt ones
+ * the checkpoints; the gated_rule ones delta_rule. A scalar gate is a per-key gate with key
+ * stride 0; one unpacked sequence: cu_seqlens = {0, T}. */
+typedef struct {
+    int general, ckpt, rule;
+    int f64;   /* float64 items, else float32 */
+} loop_kind;
+
+enum { R_DO, R_Q, R_K, R_V, R_A, R_B, R_S0, R_DST, R_SC, R_NQ, R_CU, R_DR, R_CK, R_O, R_ST,
+       R_DQ, R_DK, R_DV, R_DA, R_DB, R_DS0, N_ROLES };
+enum { ONLY_CKPT = 1, ONLY_RULE = 2 };
+#define MAX_OPS 19
+
+typedef struct {
+    int role;
+    const char *scalar, *general;   /* core dimensions by letter; NULL: no such operand there */
+    int only;                       /* ONLY_CKPT / ONLY_RULE: in those variants alone */
+} operand_spec;
+
+static const operand_spec fwd_spec[] = {
+    {R_Q, "tk", "tk", 0}, {R_K, "tk", "tk", 0}, {R_V, "tv", "tv", 0}, {R_A, "t", "tk", 0},
+    {R_B, "t", "t", 0}, {R_S0, "vk", "nvk", 0}, {R_SC, "", "", 0}, {R_NQ, NULL, "", 0},
+    {R_CU, NULL, "m", 0}, {R_DR, NULL, "", ONLY_RULE},
+    {R_O, "tv", "tv", 0}, {R_ST, "vk", "nvk", 0}, {R_CK, "cvk", "ncvk", ONLY_CKPT}};
+static const operand_spec bwd_spec[] = {
+    {R_DO, "tv", "tv", 0}, {R_Q, "tk", "tk", 0}, {R_K, "tk", "tk", 0}, {R_V, "tv", "tv", 0},
+    {R_A, "t", "tk", 0}, {R_B, "t", "t", 0}, {R_S0, "vk", "nvk", 0}, {R_DST, "vk", "nvk", 0},
+    {R_SC, "", "", 0}, {R_NQ, NULL, "", 0}, {R_CU, NULL, "m", 0}, {R_DR, NULL, "", ONLY_RULE},
+    {R_CK, "cvk", "ncvk", ONLY_CKPT},
+    {R_DQ, "tk", "tk", 0}, {R_DK, "tk", "tk", 0}, {R_DV, "tv", "tv", 0}, {R_DA, "t", "tk", 0},
+    {R_DB, "t", "t", 0}, {R_DS0, "vk", "nvk", 0}};
+
+/* One loop call's operands by role: their strides, core dimensions and item sizes, the inputs
+ * that had to be copied away from an output (tmp, to free). */
+typedef struct {
+    int pos[N_ROLES];            /* operand index of each role, -1: absent */
+    int nops, nin;
+    int nd[MAX_OPS], cd[MAX_OPS][4];
+    size_t is[MAX_OPS];
+    op_strides p[MAX_OPS];
+    char *args[MAX_OPS];
+    void *tmp[MAX_OPS];
+} loop_operands;
+
+static const op_strides no_strides = {0};
+
+/* The strides of a role; zeros when the variant has no such operand. */
+static const op_strides *at(const loop_operands *L, int role)
+{
+    return L->pos[role] >= 0 ? &L->p[L->pos[role]] : &no_strides;
 }
 
-DEFINE_FWD_LOOPS(f32, float)
-DEFINE_FWD_LOOPS(f64, double)
-DEFINE_BWD_LOOPS(f32, float)
-DEFINE_BWD_LOOPS(f64, double)
+static void *arg(const loop_operands *L, int role)
+{
+    return L->pos[role] >= 0 ? L->args[L->pos[role]] : NULL;
+}
+
+/* Reads a family's operands (spec in operand order, out0 its first output's role) for this
+ * loop's kind; letters: the family's order of t, k, v in dims. An input that aliases an output is
+ * copied (NumPy passes an exact alias through); with keep_alias, S_0 as S_T's memory stays.
+ * -1 with an error set. */
+static int read_operands(loop_operands *L, const operand_spec *spec, int nspec, int out0,
+                         const loop_kind *kind, const char *letters, char **args,
+                         npy_intp const *steps, npy_intp const *dims, int keep_alias)
+{
+    const char order[] = {letters[0], letters[1], letters[2], 'n', 'm', kind->general ? 'c' : 0, 0};
+    for (int r = 0; r < N_ROLES; r++) L->pos[r] = -1;
+    for (int i = 0; i < MAX_OPS; i++) L->tmp[i] = NULL;
+    L->nops = L->nin = 0;
+    for (int i = 0; i < nspec; i++) {
+        const char *core = kind->general ? spec[i].general : spec[i].scalar;
+        if (core == NULL || (spec[i].only == ONLY_CKPT && !kind->ckpt)
+            || (spec[i].only == ONLY_RULE && !kind->rule))
+            continue;
+        const int o = L->nops++;
+        L->pos[spec[i].role] = o;
+        if (L->pos[out0] < 0) L->nin++;   /* before the first output: an input */
+        L->nd[o] = (int)strlen(core);
+        for (int d = 0; d < L->nd[o]; d++)   /* 'c' is dims[4] when there are no n, m */
+            L->cd[o][d] = core[d] == 'c' && !kind->general ? 4
+                          : (int)(strchr(order, core[d]) - order) + 1;
+        L->is[o] = spec[i].role == R_CU ? sizeof(int64_t) : kind->f64 ? sizeof(double) : sizeof(float);
+        L->args[o] = args[o];
+    }
+    memset(L->p, 0, sizeof L->p);
+    if (operand_strides(L->p, steps, L->nd, L->is, L->nops) < 0) return -1;
+    const int keep_in = keep_alias ? L->pos[R_S0] : -1, keep_out = keep_alias ? L->pos[R_ST] : -1;
+    return unalias_inputs(L->args, L->p, L->nd, (const int (*)[4])L->cd, L->is, dims, L->nin,
+                          L->nops, keep_in, keep_out, L->tmp);
+}
+
+/* The strides of the inputs both families read. */
+static gdn_in_strides input_strides(const loop_operands *L, const loop_kind *kind)
+{
+    const op_strides *q = at(L, R_Q), *k = at(L, R_K), *v = at(L, R_V), *a = at(L, R_A);
+    const op_strides *s0 = at(L, R_S0), *cu = at(L, R_CU);
+    const int g = kind->general;   /* general: S_0 [n, v, k], else [v, k] */
+    return (gdn_in_strides){
+        .q_n = q->n, .q_t = q->c[0], .q_k = q->c[1], .k_n = k->n, .k_t = k->c[0], .k_k = k->c[1],
+        .v_n = v->n, .v_t = v->c[0], .v_v = v->c[1],
+        .a_n = a->n, .a_t = a->c[0], .a_k = g ? a->c[1] : 0,   /* a scalar gate: key stride 0 */
+        .b_n = at(L, R_B)->n, .b_t = at(L, R_B)->c[0],
+        .s0_n = s0->n, .s0_s = g ? s0->c[0] : 0, .s0_v = s0->c[g], .s0_k = s0->c[g + 1],
+        .sc_n = at(L, R_SC)->n, .nq_n = at(L, R_NQ)->n, .dr_n = at(L, R_DR)->n,
+        .cu_n = cu->n, .cu_m = g ? cu->c[0] : 1};
+}
+
+/* The sizes of the call; checks what protects memory: a packed batch's cu_seqlens (its
+ * sequences must lie inside t) and enough checkpoints for its longest sequence (-1, error set). */
+static int call_sizes(gdn_sizes *sz, const loop_operands *L, const loop_kind *kind,
+                      npy_intp const *dims, const char *letters, const gdn_in_strides *in)
+{
+    const int kpos = (int)(strchr(letters, 'k') - letters) + 1;
+    const int vpos = (int)(strchr(letters, 'v') - letters) + 1;
+    *sz = (gdn_sizes){.N = dims[0], .T = dims[1], .NS = kind->general ? dims[4] : 1,
+                      .Dk = dims[kpos], .Dv = dims[vpos], .max_len = dims[1],
+                      .dalpha_summed = !kind->general};
+    if (kind->general)
+        return check_packed(arg(L, R_CU), in->cu_n, in->cu_m, dims, kind->ckpt, &sz->max_len);
+    return kind->ckpt ? check_ckpt_count(dims[4], sz->T) : 0;
+}
+
+typedef struct {
+    gdn_fwd_call call;
+    void (*kernel)(const gdn_fwd_call *);
+} fwd_job;
+
+static void run_fwd(void *job, void *ws)
+{
+    fwd_job *j = job;
+    j->call.ws = ws;
+    j->kernel(&j->call);
+}
+
+static void fwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, void *data)
+{
+    if (skip_loop()) return;
+    const loop_kind *kind = data;
+    loop_operands L;
+    /* S_0 as S_T's memory stays (gated_delta_rule_step(inplace=True)): each state row is read
+     * whole before it is written */
+    if (read_operands(&L, fwd_spec, sizeof fwd_spec / sizeof fwd_spec[0], R_O, kind, "tkv", args,
+                      steps, dims, 1) < 0) {
+        free_copies(L.tmp, L.nin);   /* the copies made before the error */
+        return;
+    }
+    const op_strides *o = at(&L, R_O), *sT = at(&L, R_ST), *ck = at(&L, R_CK);
+    const int g = kind->general;
+    const gdn_fwd_strides st = {
+        .in = input_strides(&L, kind),
+        .o_n = o->n, .o_t = o->c[0], .o_v = o->c[1],
+        .sT_n = sT->n, .sT_s = g ? sT->c[0] : 0, .sT_v = sT->c[g], .sT_k = sT->c[g + 1],
+        .ck_n = ck->n, .ck_s = g ? ck->c[0] : 0, .ck_c = ck->c[g], .ck_v = ck->c[g + 1],
+        .ck_k = ck->c[g + 2]};
+    gdn_sizes sz;
+    if (call_sizes(&sz, &L, kind, dims, "tkv", &st.in) == 0) {
+        const int64_t one_sequence[2] = {0, (int64_t)sz.T};
+        const double zero_d = 0;
+        const float zero_f = 0;
+        const void *zero = kind->f64 ? (const void *)&zero_d : (const void *)&zero_f;
+        const int nt = TEAM(gdn_fwd_items(sz.N * sz.NS, sz.Dv));
+        fwd_job job = {
+            .call = {.q = arg(&L, R_Q), .k = arg(&L, R_K), .v = arg(&L, R_V),
+                     .alpha = arg(&L, R_A), .beta = arg(&L, R_B), .S_0 = arg(&L, R_S0),
+                     .scale = arg(&L, R_SC), .normalize_qk = g ? arg(&L, R_NQ) : zero,
+                     .delta_rule = arg(&L, R_DR),
+                     .cu_seqlens = g ? (const int64_t *)arg(&L, R_CU) : one_sequence,
+                     .o = arg(&L, R_O), .S_T = arg(&L, R_ST), .ckpt = arg(&L, R_CK),
+                     .st = &st, .sz = &sz, .num_threads = nt},
+            .kernel = kind->f64 ? gdn_forward_f64 : gdn_forward_f32};
+        run_with_workspace(nt, gdn_fwd_workspace_len(sz.max_len, sz.Dk, sz.Dv), L.is[0],
+                           arg(&L, R_S0) == arg(&L, R_ST), &sz, run_fwd, &job);
+    }
+    free_copies(L.tmp, L.nin);
+}
+
+typedef struct {
+    gdn_bwd_call call;
+    void (*kernel)(const gdn_bwd_call *);
+} bwd_job;
+
+static void run_bwd(void *job, void *ws)
+{
+    bwd_job *j = job;
+    j->call.ws = ws;
+    j->kernel(&j->call);
+}
+
+static void bwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, void *data)
+{
+    if (skip_loop()) return;
+    const loop_kind *kind = data;
+    loop_operands L;
+    if (read_operands(&L, bwd_spec, sizeof bwd_spec / sizeof bwd_spec[0], R_DQ, kind, "tvk",
+                      args, steps, dims, 0) < 0) {
+        free_copies(L.tmp, L.nin);
+        return;
+    }
+    const op_strides *d_o = at(&L, R_DO), *dsT = at(&L, R_DST), *ck = at(&L, R_CK);
+    const op_strides *dq = at(&L, R_DQ), *dk = at(&L, R_DK), *dv = at(&L, R_DV);
+    const op_strides *da = at(&L, R_DA), *db = at(&L, R_DB), *ds0 = at(&L, R_DS0);
+    const int g = kind->general;
+    const gdn_bwd_strides st = {
+        .in = input_strides(&L, kind),
+        .do_n = d_o->n, .do_t = d_o->c[0], .do_v = d_o->c[1],
+        .dsT_n = dsT->n, .dsT_s = g ? dsT->c[0] : 0, .dsT_v = dsT->c[g], .dsT_k = dsT->c[g + 1],
+        .ck_n = ck->n, .ck_s = g ? ck->c[0] : 0, .ck_c = ck->c[g], .ck_v = ck->c[g + 1],
+        .ck_k = ck->c[g + 2],
+        .dq_n = dq->n, .dq_t = dq->c[0], .dq_k = dq->c[1],
+        .dk_n = dk->n, .dk_t = dk->c[0], .dk_k = dk->c[1],
+        .dv_n = dv->n, .dv_t = dv->c[0], .dv_v = dv->c[1],
+        .da_n = da->n, .da_t = da->c[0], .da_k = g ? da->c[1] : 0,
+        .db_n = db->n, .db_t = db->c[0],
+        .ds0_n = ds0->n, .ds0_s = g ? ds0->c[0] : 0, .ds0_v = ds0->c[g], .ds0_k = ds0->c[g + 1]};
+    gdn_sizes sz;
+    if (call_sizes(&sz, &L, kind, dims, "tvk", &st.in) == 0) {
+        const int64_t one_sequence[2] = {0, (int64_t)sz.T};
+        const double zero_d = 0;
+        const float zero_f = 0;
+        const void *zero = kind->f64 ? (const void *)&zero_d : (const void *)&zero_f;
+        const int nt = TEAM(gdn_bwd_items(sz.N * sz.NS, sz.Dv));
+        bwd_job job = {
+            .call = {.d_o = arg(&L, R_DO), .q = arg(&L, R_Q), .k = arg(&L, R_K),
+                     .v = arg(&L, R_V), .alpha = arg(&L, R_A), .beta = arg(&L, R_B),
+                     .S_0 = arg(&L, R_S0), .dS_T = arg(&L, R_DST), .ckpt = arg(&L, R_CK),
+                     .scale = arg(&L, R_SC), .normalize_qk = g ? arg(&L, R_NQ) : zero,
+                     .delta_rule = arg(&L, R_DR),
+                     .cu_seqlens = g ? (const int64_t *)arg(&L, R_CU) : one_sequence,
+                     .dq = arg(&L, R_DQ), .dk = arg(&L, R_DK), .dv = arg(&L, R_DV),
+                     .dalpha = arg(&L, R_DA), .dbeta = arg(&L, R_DB), .dS_0 = arg(&L, R_DS0),
+                     .st = &st, .sz = &sz, .num_threads = nt},
+            .kernel = kind->f64 ? gdn_backward_f64 : gdn_backward_f32};
+        run_with_workspace(nt, gdn_bwd_workspace_len(sz.max_len, sz.Dk, sz.Dv), L.is[0], 0, &sz,
+                           run_bwd, &job);
+    }
+    free_copies(L.tmp, L.nin);
+}
 
 /* The gufunc table: one entry per operation, float32 then float64 loops (NumPy picks the first loop
  * its casting rules allow, so float16 and small ints run in float32, other ints in float64). */
-static PyUFuncGenericFunction fwd_funcs[] = {fwd_loop_f32, fwd_loop_f64};
-static PyUFuncGenericFunction bwd_funcs[] = {bwd_loop_f32, bwd_loop_f64};
-static PyUFuncGenericFunction gen_fwd_funcs[] = {gen_fwd_loop_f32, gen_fwd_loop_f64};
-static PyUFuncGenericFunction gen_bwd_funcs[] = {gen_bwd_loop_f32, gen_bwd_loop_f64};
-static void *no_data[] = {NULL, NULL};
-static void *ck_data[] = {&with_ckpt, &with_ckpt};
+static PyUFuncGenericFunction fwd_funcs[] = {fwd_loop, fwd_loop};
+static PyUFuncGenericFunction bwd_funcs[] = {bwd_loop, bwd_loop};
+/* each loop's data: the variant (general, ckpt, rule) and the dtype, float32 then float64 */
+#define KINDS(general, ckpt, rule) {{general, ckpt, rule, 0}, {general, ckpt, rule, 1}}
+static loop_kind scalar_kinds[2] = KINDS(0, 0, 0), scalar_ck_kinds[2] = KINDS(0, 1, 0),
+                 general_kinds[2] = KINDS(1, 0, 0), general_ck_kinds[2] = KINDS(1, 1, 0),
+                 rule_kinds[2] = KINDS(1, 0, 1), rule_ck_kinds[2] = KINDS(1, 1, 1);
+#undef KINDS
+static void *scalar_data[] = {&scalar_kinds[0], &scalar_kinds[1]};
+static void *scalar_ck_data[] = {&scalar_ck_kinds[0], &scalar_ck_kinds[1]};
+static void *general_data[] = {&general_kinds[0], &general_kinds[1]};
+static void *general_ck_data[] = {&general_ck_kinds[0], &general_ck_kinds[1]};
+static void *rule_data[] = {&rule_kinds[0], &rule_kinds[1]};
+static void *rule_ck_data[] = {&rule_ck_kinds[0], &rule_ck_kinds[1]};
 #define TF NPY_FLOAT
 #define TD NPY_DOUBLE
 #define TI NPY_INT64
@@ -718,8 +708,6 @@ static const char rule_fwd_ck_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TI, TF,
                                          TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD, TD};
 static const char rule_bwd_ck_types[] = {TF, TF, TF, TF, TF, TF, TF, TF, TF, TF, TI, TF, TF, TF, TF, TF, TF, TF, TF,
                                          TD, TD, TD, TD, TD, TD, TD, TD, TD, TD, TI, TD, TD, TD, TD, TD, TD, TD, TD};
-static void *rule_data[] = {&with_rule, &with_rule};
-static void *rule_ck_data[] = {&with_rule_ckpt, &with_rule_ckpt};
 #undef TF
 #undef TD
 #undef TI
@@ -731,7 +719,7 @@ typedef struct {
     int nin, nout;
     const char *signature;
     const char *doc;
-    void **data;   /* NULL: no_data */
+    void **data;   /* the loops' loop_kind */
 } gufunc_descriptor;
 
 static const gufunc_descriptor gufuncs[] = {
@@ -741,53 +729,53 @@ static const gufunc_descriptor gufuncs[] = {
      "Gated delta rule forward, one (sequence, head) per loop element.\n"
      "Signature (t,k),(t,k),(t,v),(t),(t),(v,k),()->(t,v),(v,k); float32 and float64 loops.\n"
      "S_t = alpha_t S_{t-1} + beta_t (v_t - alpha_t S_{t-1} k_t) k_t^T;  o_t = scale S_t q_t.\n"
-     "Yang, Kautz, Hatamizadeh, Gated Delta Networks, ICLR 2025. See gdn_ext.ufuncs."},
+     "Yang, Kautz, Hatamizadeh, Gated Delta Networks, ICLR 2025. See gdn_ext.ufuncs.", scalar_data},
     {"gated_delta_rule_bwd", bwd_funcs, bwd_types, 9, 6,
      "(t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k)",
      "gated_delta_rule_bwd(do, q, k, v, alpha, beta, S_0, dS_T, scale, /, out=None, **kwargs)\n"
      "    -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
      "Backward over time of gated_delta_rule_fwd, with states recomputed from checkpoints.\n"
      "Signature (t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k).\n"
-     "See gdn_ext.ufuncs."},
-    {"gated_delta_rule_general_fwd", gen_fwd_funcs, gen_fwd_types, 9, 2,
+     "See gdn_ext.ufuncs.", scalar_data},
+    {"gated_delta_rule_general_fwd", fwd_funcs, gen_fwd_types, 9, 2,
      "(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m)->(t,v),(n,v,k)",
      "gated_delta_rule_general_fwd(q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens, /,\n"
      "    out=None, **kwargs) -> (o, S_T)\n\n"
      "Forward with a per-key gate alpha [t, k], optional in-kernel q/k L2 normalisation\n"
      "(normalize_qk != 0) and n sequences packed along t (cu_seqlens int64 [n + 1]).\n"
-     "See gdn_ext.ufuncs."},
-    {"gated_delta_rule_general_bwd", gen_bwd_funcs, gen_bwd_types, 11, 6,
+     "See gdn_ext.ufuncs.", general_data},
+    {"gated_delta_rule_general_bwd", bwd_funcs, gen_bwd_types, 11, 6,
      "(t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m)->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)",
      "gated_delta_rule_general_bwd(do, q, k, v, alpha, beta, S_0, dS_T, scale, normalize_qk,\n"
      "    cu_seqlens, /, out=None, **kwargs) -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
-     "Backward of gated_delta_rule_general_fwd. See gdn_ext.ufuncs."},
+     "Backward of gated_delta_rule_general_fwd. See gdn_ext.ufuncs.", general_data},
     {"gated_delta_rule_fwd_ckpt", fwd_funcs, fwd_ck_types, 7, 3,
      "(t,k),(t,k),(t,v),(t),(t),(v,k),()->(t,v),(v,k),(c,v,k)",
      "gated_delta_rule_fwd_ckpt(q, k, v, alpha, beta, S_0, scale, /, out=None, **kwargs)\n"
      "    -> (o, S_T, checkpoints)\n\n"
      "gated_delta_rule_fwd that also writes the states before steps 0, C, 2C, ...\n"
      "(C = checkpoint_interval(t)) into checkpoints [c, v, k], c >= checkpoint_count(t): pass\n"
-     "out= (c is not an input dimension). See gdn_ext.ufuncs.", ck_data},
+     "out= (c is not an input dimension). See gdn_ext.ufuncs.", scalar_ck_data},
     {"gated_delta_rule_bwd_ckpt", bwd_funcs, bwd_ck_types, 10, 6,
      "(t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),(),(c,v,k)->(t,k),(t,k),(t,v),(t),(t),(v,k)",
      "gated_delta_rule_bwd_ckpt(do, q, k, v, alpha, beta, S_0, dS_T, scale, checkpoints, /,\n"
      "    out=None, **kwargs) -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
      "gated_delta_rule_bwd with the forward's checkpoints (gated_delta_rule_fwd_ckpt over the\n"
-     "same inputs) instead of its own checkpoint pass. See gdn_ext.ufuncs.", ck_data},
-    {"gated_delta_rule_general_fwd_ckpt", gen_fwd_funcs, gen_fwd_ck_types, 9, 3,
+     "same inputs) instead of its own checkpoint pass. See gdn_ext.ufuncs.", scalar_ck_data},
+    {"gated_delta_rule_general_fwd_ckpt", fwd_funcs, gen_fwd_ck_types, 9, 3,
      "(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m)->(t,v),(n,v,k),(n,c,v,k)",
      "gated_delta_rule_general_fwd_ckpt(q, k, v, alpha, beta, S_0, scale, normalize_qk,\n"
      "    cu_seqlens, /, out=None, **kwargs) -> (o, S_T, checkpoints)\n\n"
      "gated_delta_rule_general_fwd that also writes each sequence's checkpoints [n, c, v, k].\n"
-     "See gdn_ext.ufuncs.", ck_data},
-    {"gated_delta_rule_general_bwd_ckpt", gen_bwd_funcs, gen_bwd_ck_types, 12, 6,
+     "See gdn_ext.ufuncs.", general_ck_data},
+    {"gated_delta_rule_general_bwd_ckpt", bwd_funcs, gen_bwd_ck_types, 12, 6,
      "(t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m),(n,c,v,k)"
      "->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)",
      "gated_delta_rule_general_bwd_ckpt(do, q, k, v, alpha, beta, S_0, dS_T, scale,\n"
      "    normalize_qk, cu_seqlens, checkpoints, /, out=None, **kwargs)\n"
      "    -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
-     "gated_delta_rule_general_bwd with the forward's checkpoints. See gdn_ext.ufuncs.", ck_data},
-    {"gated_rule_fwd", gen_fwd_funcs, rule_fwd_types, 10, 2,
+     "gated_delta_rule_general_bwd with the forward's checkpoints. See gdn_ext.ufuncs.", general_ck_data},
+    {"gated_rule_fwd", fwd_funcs, rule_fwd_types, 10, 2,
      "(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m),()->(t,v),(n,v,k)",
      "gated_rule_fwd(q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens, delta_rule, /,\n"
      "    out=None, **kwargs) -> (o, S_T)\n\n"
@@ -795,18 +783,18 @@ static const gufunc_descriptor gufuncs[] = {
      "u_t = beta_t (v_t - S_{t-1} D_t k_t), delta_rule == 0 linear attention's u_t = beta_t v_t\n"
      "(the rule family: linear attention, GLA / Mamba2 gates, DeltaNet, Gated DeltaNet).\n"
      "See gdn_ext.ufuncs.", rule_data},
-    {"gated_rule_bwd", gen_bwd_funcs, rule_bwd_types, 12, 6,
+    {"gated_rule_bwd", bwd_funcs, rule_bwd_types, 12, 6,
      "(t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m),()->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)",
      "gated_rule_bwd(do, q, k, v, alpha, beta, S_0, dS_T, scale, normalize_qk, cu_seqlens,\n"
      "    delta_rule, /, out=None, **kwargs) -> (dq, dk, dv, dalpha, dbeta, dS_0)\n\n"
      "Backward of gated_rule_fwd. See gdn_ext.ufuncs.", rule_data},
-    {"gated_rule_fwd_ckpt", gen_fwd_funcs, rule_fwd_ck_types, 10, 3,
+    {"gated_rule_fwd_ckpt", fwd_funcs, rule_fwd_ck_types, 10, 3,
      "(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m),()->(t,v),(n,v,k),(n,c,v,k)",
      "gated_rule_fwd_ckpt(q, k, v, alpha, beta, S_0, scale, normalize_qk, cu_seqlens, delta_rule,\n"
      "    /, out=None, **kwargs) -> (o, S_T, checkpoints)\n\n"
      "gated_rule_fwd that also writes each sequence's checkpoints. See gdn_ext.ufuncs.",
      rule_ck_data},
-    {"gated_rule_bwd_ckpt", gen_bwd_funcs, rule_bwd_ck_types, 13, 6,
+    {"gated_rule_bwd_ckpt", bwd_funcs, rule_bwd_ck_types, 13, 6,
      "(t,v),(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(n,v,k),(),(),(m),(),(n,c,v,k)"
      "->(t,k),(t,k),(t,v),(t,k),(t),(n,v,k)",
      "gated_rule_bwd_ckpt(do, q, k, v, alpha, beta, S_0, dS_T, scale, normalize_qk, cu_seqlens,\n"
@@ -985,7 +973,7 @@ static int core_exec(PyObject *m)
     for (size_t i = 0; i < sizeof(gufuncs) / sizeof(gufuncs[0]); i++) {
         const gufunc_descriptor *d = &gufuncs[i];
         PyObject *f = PyUFunc_FromFuncAndDataAndSignature(
-            d->funcs, d->data ? d->data : no_data, (char *)d->types, 2, d->nin, d->nout,
+            d->funcs, d->data, (char *)d->types, 2, d->nin, d->nout,
             PyUFunc_None, d->name, d->doc,
             0, d->signature);
         if (f == NULL || PyModule_AddObject(m, d->name, f) < 0) {
