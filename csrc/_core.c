@@ -61,7 +61,9 @@ static void *alloc_workspace(int nt, size_t len, size_t itemsize)
     return ws;
 }
 
-/* cu_seqlens checked; the longest sequence in *max_len; -1 with ValueError set when bad. */
+/* cu_seqlens checked; the longest sequence in *max_len; -1 with ValueError set when bad.
+ * Protects memory: the kernels index t by it (the Python API checks it first, with its own
+ * messages; this stands for the raw gufuncs). */
 static int check_cu(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrdiff_t N, ptrdiff_t NS,
                     ptrdiff_t T, ptrdiff_t *max_len)
 {
@@ -82,7 +84,8 @@ typedef struct {
 } op_strides;
 
 /* The strides of nops operands with core_ndim[i] core dimensions and items of itemsize[i] bytes;
- * -1 with ValueError set when one is not a multiple of its item size. */
+ * -1 with ValueError set when one is not a multiple of its item size (protects memory: the
+ * kernels step in whole elements). */
 static int operand_strides(op_strides *op, const npy_intp *steps, const int *core_ndim,
                            const size_t *itemsize, int nops)
 {
@@ -102,7 +105,8 @@ bad:
     return -1;
 }
 
-/* Enough checkpoints for the longest sequence? (-1 with ValueError set if not.) */
+/* Enough checkpoints for the longest sequence? (-1 with ValueError set if not.) Protects memory:
+ * the backward reads, the forward writes, one per C steps of the longest sequence. */
 static int check_ckpt_count(ptrdiff_t have, ptrdiff_t max_len)
 {
     const ptrdiff_t need = gdn_checkpoint_count(max_len);
