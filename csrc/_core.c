@@ -394,14 +394,32 @@ static int skip_loop(void)
     return pending;
 }
 
+/* One kernel call: forward or backward (the other NULL), float64 or float32. */
+typedef struct {
+    gdn_fwd_call *fwd;
+    gdn_bwd_call *bwd;
+    int f64;
+} kernel_job;
+
+static void run(const kernel_job *job, void *ws)
+{
+    if (job->fwd != NULL) {
+        job->fwd->ws = ws;
+        (job->f64 ? gdn_forward_f64 : gdn_forward_f32)(job->fwd);
+    } else {
+        job->bwd->ws = ws;
+        (job->f64 ? gdn_backward_f64 : gdn_backward_f32)(job->bwd);
+    }
+}
+
 /* Runs a kernel over nt threads' workspace of len items of `is` bytes each (NULL workspace: error
  * set), as the main thread's call asks: stopped by Ctrl-C, then dropped (a handler raised) or run
  * again to its end, once, this time not stopped (signals then are handled when it ends: a stream
  * of SIGINTs whose handler does not raise cannot keep a call from finishing). `inplace`: S_0 is
  * S_T's memory, a second run would start from a half-updated state, so it is never stopped.
- * run(job, ws) runs the kernel; sz is the call's sizes (its cancel flag is set here). */
+ * sz is the call's sizes (its cancel flag is set here). */
 static void run_with_workspace(int nt, size_t len, size_t is, int inplace, gdn_sizes *sz,
-                               void (*run)(void *job, void *ws), void *job)
+                               const kernel_job *job)
 {
     void *ws = alloc_workspace(nt, len, is);
     if (ws == NULL) return;
@@ -471,6 +489,7 @@ typedef struct {
     op_strides p[MAX_OPS];
     char *args[MAX_OPS];
     void *tmp[MAX_OPS];
+    int64_t one_sequence[2];     /* the scalar-gate gufuncs' cu_seqlens: {0, T} */
 } loop_operands;
 
 static const op_strides no_strides = {0};
@@ -486,6 +505,21 @@ static void *arg(const loop_operands *L, int role)
     return L->pos[role] >= 0 ? L->args[L->pos[role]] : NULL;
 }
 
+/* normalize_qk and cu_seqlens: the general gufuncs' operands; the scalar-gate ones have none and
+ * run one sequence of all T steps, not normalised. */
+static const double zero_f64 = 0;
+static const float zero_f32 = 0;
+static const void *normalize_qk_of(const loop_operands *L, const loop_kind *kind)
+{
+    if (kind->general) return arg(L, R_NQ);
+    return kind->f64 ? (const void *)&zero_f64 : (const void *)&zero_f32;
+}
+
+static const int64_t *cu_seqlens_of(const loop_operands *L, const loop_kind *kind)
+{
+    return kind->general ? (const int64_t *)arg(L, R_CU) : L->one_sequence;
+}
+
 /* Reads a family's operands (spec in operand order, out0 its first output's role) for this
  * loop's kind; letters: the family's order of t, k, v in dims. An input that aliases an output is
  * copied (NumPy passes an exact alias through); with keep_alias, S_0 as S_T's memory stays.
@@ -498,6 +532,8 @@ static int read_operands(loop_operands *L, const operand_spec *spec, int nspec, 
     for (int r = 0; r < N_ROLES; r++) L->pos[r] = -1;
     for (int i = 0; i < MAX_OPS; i++) L->tmp[i] = NULL;
     L->nops = L->nin = 0;
+    L->one_sequence[0] = 0;
+    L->one_sequence[1] = (int64_t)dims[1];
     for (int i = 0; i < nspec; i++) {
         const char *core = kind->general ? spec[i].general : spec[i].scalar;
         if (core == NULL || (spec[i].only == ONLY_CKPT && !kind->ckpt)
@@ -551,18 +587,6 @@ static int call_sizes(gdn_sizes *sz, const loop_operands *L, const loop_kind *ki
     return kind->ckpt ? check_ckpt_count(dims[4], sz->T) : 0;
 }
 
-typedef struct {
-    gdn_fwd_call call;
-    void (*kernel)(const gdn_fwd_call *);
-} fwd_job;
-
-static void run_fwd(void *job, void *ws)
-{
-    fwd_job *j = job;
-    j->call.ws = ws;
-    j->kernel(&j->call);
-}
-
 static void fwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, void *data)
 {
     if (skip_loop()) return;
@@ -585,36 +609,19 @@ static void fwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
         .ck_k = ck->c[g + 2]};
     gdn_sizes sz;
     if (call_sizes(&sz, &L, kind, dims, "tkv", &st.in) == 0) {
-        const int64_t one_sequence[2] = {0, (int64_t)sz.T};
-        const double zero_d = 0;
-        const float zero_f = 0;
-        const void *zero = kind->f64 ? (const void *)&zero_d : (const void *)&zero_f;
         const int nt = TEAM(gdn_fwd_items(sz.N * sz.NS, sz.Dv));
-        fwd_job job = {
-            .call = {.q = arg(&L, R_Q), .k = arg(&L, R_K), .v = arg(&L, R_V),
-                     .alpha = arg(&L, R_A), .beta = arg(&L, R_B), .S_0 = arg(&L, R_S0),
-                     .scale = arg(&L, R_SC), .normalize_qk = g ? arg(&L, R_NQ) : zero,
-                     .delta_rule = arg(&L, R_DR),
-                     .cu_seqlens = g ? (const int64_t *)arg(&L, R_CU) : one_sequence,
-                     .o = arg(&L, R_O), .S_T = arg(&L, R_ST), .ckpt = arg(&L, R_CK),
-                     .st = &st, .sz = &sz, .num_threads = nt},
-            .kernel = kind->f64 ? gdn_forward_f64 : gdn_forward_f32};
+        gdn_fwd_call call = {
+            .q = arg(&L, R_Q), .k = arg(&L, R_K), .v = arg(&L, R_V), .alpha = arg(&L, R_A),
+            .beta = arg(&L, R_B), .S_0 = arg(&L, R_S0), .scale = arg(&L, R_SC),
+            .normalize_qk = normalize_qk_of(&L, kind), .delta_rule = arg(&L, R_DR),
+            .cu_seqlens = cu_seqlens_of(&L, kind),
+            .o = arg(&L, R_O), .S_T = arg(&L, R_ST), .ckpt = arg(&L, R_CK),
+            .st = &st, .sz = &sz, .num_threads = nt};
+        const kernel_job job = {.fwd = &call, .f64 = kind->f64};
         run_with_workspace(nt, gdn_fwd_workspace_len(sz.max_len, sz.Dk, sz.Dv), L.is[0],
-                           arg(&L, R_S0) == arg(&L, R_ST), &sz, run_fwd, &job);
+                           arg(&L, R_S0) == arg(&L, R_ST), &sz, &job);
     }
     free_copies(L.tmp, L.nin);
-}
-
-typedef struct {
-    gdn_bwd_call call;
-    void (*kernel)(const gdn_bwd_call *);
-} bwd_job;
-
-static void run_bwd(void *job, void *ws)
-{
-    bwd_job *j = job;
-    j->call.ws = ws;
-    j->kernel(&j->call);
 }
 
 static void bwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, void *data)
@@ -645,24 +652,19 @@ static void bwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
         .ds0_n = ds0->n, .ds0_s = g ? ds0->c[0] : 0, .ds0_v = ds0->c[g], .ds0_k = ds0->c[g + 1]};
     gdn_sizes sz;
     if (call_sizes(&sz, &L, kind, dims, "tvk", &st.in) == 0) {
-        const int64_t one_sequence[2] = {0, (int64_t)sz.T};
-        const double zero_d = 0;
-        const float zero_f = 0;
-        const void *zero = kind->f64 ? (const void *)&zero_d : (const void *)&zero_f;
         const int nt = TEAM(gdn_bwd_items(sz.N * sz.NS, sz.Dv));
-        bwd_job job = {
-            .call = {.d_o = arg(&L, R_DO), .q = arg(&L, R_Q), .k = arg(&L, R_K),
-                     .v = arg(&L, R_V), .alpha = arg(&L, R_A), .beta = arg(&L, R_B),
-                     .S_0 = arg(&L, R_S0), .dS_T = arg(&L, R_DST), .ckpt = arg(&L, R_CK),
-                     .scale = arg(&L, R_SC), .normalize_qk = g ? arg(&L, R_NQ) : zero,
-                     .delta_rule = arg(&L, R_DR),
-                     .cu_seqlens = g ? (const int64_t *)arg(&L, R_CU) : one_sequence,
-                     .dq = arg(&L, R_DQ), .dk = arg(&L, R_DK), .dv = arg(&L, R_DV),
-                     .dalpha = arg(&L, R_DA), .dbeta = arg(&L, R_DB), .dS_0 = arg(&L, R_DS0),
-                     .st = &st, .sz = &sz, .num_threads = nt},
-            .kernel = kind->f64 ? gdn_backward_f64 : gdn_backward_f32};
+        gdn_bwd_call call = {
+            .d_o = arg(&L, R_DO), .q = arg(&L, R_Q), .k = arg(&L, R_K), .v = arg(&L, R_V),
+            .alpha = arg(&L, R_A), .beta = arg(&L, R_B), .S_0 = arg(&L, R_S0),
+            .dS_T = arg(&L, R_DST), .ckpt = arg(&L, R_CK), .scale = arg(&L, R_SC),
+            .normalize_qk = normalize_qk_of(&L, kind), .delta_rule = arg(&L, R_DR),
+            .cu_seqlens = cu_seqlens_of(&L, kind),
+            .dq = arg(&L, R_DQ), .dk = arg(&L, R_DK), .dv = arg(&L, R_DV),
+            .dalpha = arg(&L, R_DA), .dbeta = arg(&L, R_DB), .dS_0 = arg(&L, R_DS0),
+            .st = &st, .sz = &sz, .num_threads = nt};
+        const kernel_job job = {.bwd = &call, .f64 = kind->f64};
         run_with_workspace(nt, gdn_bwd_workspace_len(sz.max_len, sz.Dk, sz.Dv), L.is[0], 0, &sz,
-                           run_bwd, &job);
+                           &job);
     }
     free_copies(L.tmp, L.nin);
 }
