@@ -523,7 +523,7 @@ static const int64_t *cu_seqlens_of(const loop_operands *L, const loop_kind *kin
 /* Reads a family's operands (spec in operand order, out0 its first output's role) for this
  * loop's kind; letters: the family's order of t, k, v in dims. An input that aliases an output is
  * copied (NumPy passes an exact alias through); with keep_alias, S_0 as S_T's memory stays.
- * -1 with an error set. */
+ * -1 with an error set (and the copies made before it freed). */
 static int read_operands(loop_operands *L, const operand_spec *spec, int nspec, int out0,
                          const loop_kind *kind, const char *letters, char **args,
                          npy_intp const *steps, npy_intp const *dims, int keep_alias)
@@ -552,8 +552,12 @@ static int read_operands(loop_operands *L, const operand_spec *spec, int nspec, 
     memset(L->p, 0, sizeof L->p);
     if (operand_strides(L->p, steps, L->nd, L->is, L->nops) < 0) return -1;
     const int keep_in = keep_alias ? L->pos[R_S0] : -1, keep_out = keep_alias ? L->pos[R_ST] : -1;
-    return unalias_inputs(L->args, L->p, L->nd, (const int (*)[4])L->cd, L->is, dims, L->nin,
-                          L->nops, keep_in, keep_out, L->tmp);
+    if (unalias_inputs(L->args, L->p, L->nd, (const int (*)[4])L->cd, L->is, dims, L->nin, L->nops,
+                       keep_in, keep_out, L->tmp) < 0) {
+        free_copies(L->tmp, L->nin);
+        return -1;
+    }
+    return 0;
 }
 
 /* The strides of the inputs both families read. */
@@ -595,10 +599,8 @@ static void fwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
     /* S_0 as S_T's memory stays (gated_delta_rule_step(inplace=True)): each state row is read
      * whole before it is written */
     if (read_operands(&L, fwd_spec, sizeof fwd_spec / sizeof fwd_spec[0], R_O, kind, "tkv", args,
-                      steps, dims, 1) < 0) {
-        free_copies(L.tmp, L.nin);   /* the copies made before the error */
+                      steps, dims, 1) < 0)
         return;
-    }
     const op_strides *o = at(&L, R_O), *sT = at(&L, R_ST), *ck = at(&L, R_CK);
     const int g = kind->general;
     const gdn_fwd_strides st = {
@@ -630,10 +632,8 @@ static void bwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
     const loop_kind *kind = data;
     loop_operands L;
     if (read_operands(&L, bwd_spec, sizeof bwd_spec / sizeof bwd_spec[0], R_DQ, kind, "tvk",
-                      args, steps, dims, 0) < 0) {
-        free_copies(L.tmp, L.nin);
+                      args, steps, dims, 0) < 0)
         return;
-    }
     const op_strides *d_o = at(&L, R_DO), *dsT = at(&L, R_DST), *ck = at(&L, R_CK);
     const op_strides *dq = at(&L, R_DQ), *dk = at(&L, R_DK), *dv = at(&L, R_DV);
     const op_strides *da = at(&L, R_DA), *db = at(&L, R_DB), *ds0 = at(&L, R_DS0);

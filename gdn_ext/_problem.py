@@ -14,7 +14,6 @@ states carry a sequence axis NS (1 unless packed).
 import numpy as np
 
 from ._native import _core
-from ._threads import default_threads
 from ._checks import (as_real_array, compute_dtype, converted, expect_shape, flag, fmt,
                       head_first_message, real_scalar, value_messages, warn)
 
@@ -72,7 +71,7 @@ class _Problem:
                  num_threads=1):
         self.names = _Names(step)
         # threads for the conversions of large inputs (run_pieces); 0: OpenMP's default count
-        self.num_threads = num_threads if num_threads > 0 else default_threads(1 << 16)
+        self.num_threads = num_threads
         self.scale = real_scalar(scale, "scale")
         self.normalize_qk = flag(normalize_qk, "normalize_qk")
         check_values = flag(check_values, "check_values")

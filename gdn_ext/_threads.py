@@ -135,11 +135,14 @@ def pieces(shape):
 
 def run_pieces(work, items, num_threads=1):
     """``work(item)`` for every item: in order on the calling thread, or on up to
-    ``num_threads`` threads when there are several items (NumPy's loops release the GIL, so
-    pieces of an elementwise operation run in parallel). The work must write disjoint outputs:
+    ``num_threads`` threads (0: OpenMP's default count) when there are several items (NumPy's
+    loops release the GIL, so pieces of an elementwise operation run in parallel). The work must
+    write disjoint outputs:
     each element is then computed by the same code whatever the thread count. The threads live
     for this call only (nothing is left behind for a fork). Ctrl-C: items not yet started are
     dropped and the KeyboardInterrupt propagates once the running ones end."""
+    if num_threads == 0 and len(items) > 1:   # OpenMP's default, asked only when it matters
+        num_threads = default_threads(len(items))
     n = min(num_threads, len(items))
     if n <= 1:
         for item in items:
