@@ -138,10 +138,13 @@ static int check_packed(const char *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, npy_intp
  * never returns. A child therefore runs every call on one thread. */
 static volatile int forked_child = 0;
 
-/* Threads for a call over `items` work items: one in a forked child; this OS thread's request
- * (call_threads), else OpenMP's default under the busy-machine cap (gdn_capped_threads). */
-#define TEAM(items) (forked_child ? 1                                                            \
-                     : gdn_capped_threads(gdn_threads_for(items, call_threads), call_threads))
+/* The team for a call over `items` work items: one thread in a forked child; else this OS
+ * thread's request (call_threads, 0: OpenMP's default) under the busy-machine cap. */
+static int team_size(ptrdiff_t items)
+{
+    if (forked_child) return 1;
+    return gdn_capped_threads(gdn_threads_for(items, call_threads), call_threads);
+}
 
 /* ---- exact aliases of outputs and inputs --------------------------------------------------
  * NumPy copies an input that partly overlaps an output, but passes one that is exactly an output
@@ -611,7 +614,7 @@ static void fwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
         .ck_k = ck->c[g + 2]};
     gdn_sizes sz;
     if (call_sizes(&sz, &L, kind, dims, "tkv", &st.in) == 0) {
-        const int nt = TEAM(gdn_fwd_items(sz.N * sz.NS, sz.Dv));
+        const int nt = team_size(gdn_fwd_items(sz.N * sz.NS, sz.Dv));
         gdn_fwd_call call = {
             .q = arg(&L, R_Q), .k = arg(&L, R_K), .v = arg(&L, R_V), .alpha = arg(&L, R_A),
             .beta = arg(&L, R_B), .S_0 = arg(&L, R_S0), .scale = arg(&L, R_SC),
@@ -652,7 +655,7 @@ static void bwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
         .ds0_n = ds0->n, .ds0_s = g ? ds0->c[0] : 0, .ds0_v = ds0->c[g], .ds0_k = ds0->c[g + 1]};
     gdn_sizes sz;
     if (call_sizes(&sz, &L, kind, dims, "tvk", &st.in) == 0) {
-        const int nt = TEAM(gdn_bwd_items(sz.N * sz.NS, sz.Dv));
+        const int nt = team_size(gdn_bwd_items(sz.N * sz.NS, sz.Dv));
         gdn_bwd_call call = {
             .d_o = arg(&L, R_DO), .q = arg(&L, R_Q), .k = arg(&L, R_K), .v = arg(&L, R_V),
             .alpha = arg(&L, R_A), .beta = arg(&L, R_B), .S_0 = arg(&L, R_S0),

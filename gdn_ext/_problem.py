@@ -17,7 +17,7 @@ from ._native import _core
 from ._checks import (as_real_array, compute_dtype, converted, expect_shape, flag, fmt,
                       head_first_message, real_scalar, value_messages, warn)
 
-__all__ = []
+__all__ = []  # private: the front ends use _Problem and packed_sequences
 
 
 class _Names:
@@ -61,14 +61,42 @@ def _with_axis(a, axis, name, layout):
     return a.reshape(a.shape[:axis] + (1,) + a.shape[axis:])
 
 
+def packed_sequences(cu_seqlens, B, T):
+    """(cu [N + 1] int64, N, the longest sequence's length) of FlashAttention's packed batch
+    cu_seqlens, checked against q's B and T: every front end's one check of it. Not packed
+    (None): ([0, T], 1, T)."""
+    if cu_seqlens is None:
+        return np.array([0, T], np.int64), 1, T
+    try:
+        cu = np.asarray(cu_seqlens)
+    except ValueError as exc:   # ragged nested lists
+        raise TypeError(f"cu_seqlens must be an integer array [N + 1]: {exc}") from None
+    if cu.dtype.kind not in "iu" and cu.size > 0:   # ([] is float64: a shape error)
+        raise TypeError(f"cu_seqlens must be an integer array [N + 1]; got dtype {cu.dtype}")
+    if cu.ndim != 1 or cu.size < 2:
+        raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got {fmt(cu.shape)}")
+    if B != 1:
+        raise ValueError(f"cu_seqlens packs sequences along T, so B must be 1; got B = {B}")
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0; got {int(cu[0])}")
+    cu = cu.astype(np.int64)
+    lengths = np.diff(cu)
+    if np.any(lengths < 0):
+        raise ValueError(f"cu_seqlens must be non-decreasing; got {cu.tolist()}")
+    if cu[-1] != T:
+        raise ValueError(f"cu_seqlens must end at T = {T}, the packed length; got {int(cu[-1])}")
+    return cu, cu.size - 1, int(lengths.max())
+
+
 class _Problem:
     """A checked call: its sizes (B, T, H, G, HV, Dk, Dv, NS), options, and the kernels' views
     q, k, v, alpha, beta, S0 (see the module docstring). ``step=True`` checks the one-token
-    shapes of gated_delta_rule_step instead (no T axis)."""
+    shapes of gated_delta_rule_step instead (no T axis). ``views=False`` stops after the checks
+    (no views, no conversions)."""
 
     def __init__(self, q, k, v, beta, alpha, g, initial_state, scale, normalize_qk=False,
                  cu_seqlens=None, extra=(), step=False, check_values=True, delta_rule=True,
-                 num_threads=1):
+                 num_threads=1, views=True):
         self.names = _Names(step)
         # threads for the conversions of large inputs (run_pieces); 0: OpenMP's default count
         self.num_threads = num_threads
@@ -85,7 +113,8 @@ class _Problem:
             self._warn_unusual(k, beta, gate)
         self.dtype = compute_dtype([q, k, v, beta, gate] + ([s0] if s0 is not None else [])
                                    + list(extra))
-        self._build_views(q, k, v, beta, gate, s0)
+        if views:   # False: shapes only (gdn_ext.dask checks its lazy arrays' shapes here)
+            self._build_views(q, k, v, beta, gate, s0)
 
     # 1. the forms ------------------------------------------------------------------------------
     def _read_forms(self, q, k, v, beta, gate, s0):
@@ -182,33 +211,8 @@ class _Problem:
 
     def _check_packed(self, cu_seqlens):
         """cu_seqlens (FlashAttention's packed batch) checked against B and T."""
-        B, T = self.B, self.T
         self.packed = cu_seqlens is not None
-        if not self.packed:
-            self.cu, self.NS, self.max_len = np.array([0, T], np.int64), 1, T
-        else:
-            try:
-                cu = np.asarray(cu_seqlens)
-            except ValueError as exc:   # ragged nested lists
-                raise TypeError(f"cu_seqlens must be an integer array [N + 1]: {exc}") from None
-            if cu.dtype.kind not in "iu" and cu.size > 0:   # ([] is float64: a shape error)
-                raise TypeError(f"cu_seqlens must be an integer array [N + 1]; got dtype "
-                                f"{cu.dtype}")
-            if cu.ndim != 1 or cu.size < 2:
-                raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got "
-                                 f"{fmt(cu.shape)}")
-            if B != 1:
-                raise ValueError(f"cu_seqlens packs sequences along T, so B must be 1; got "
-                                 f"B = {B}")
-            if cu[0] != 0:
-                raise ValueError(f"cu_seqlens must start at 0; got {int(cu[0])}")
-            if np.any(np.diff(cu.astype(np.int64)) < 0):
-                raise ValueError(f"cu_seqlens must be non-decreasing; got {cu.tolist()}")
-            if cu[-1] != T:
-                raise ValueError(f"cu_seqlens must end at T = {T}, the packed length; got "
-                                 f"{int(cu[-1])}")
-            self.cu, self.NS = cu.astype(np.int64), cu.size - 1
-            self.max_len = int(np.max(np.diff(self.cu)))   # the longest sequence
+        self.cu, self.NS, self.max_len = packed_sequences(cu_seqlens, self.B, self.T)
         self.general = (self.per_key or self.normalize_qk or self.packed
                         or not self.delta_rule)
 

@@ -34,6 +34,7 @@ except ImportError as _exc:  # pragma: no cover - exercised without dask
     raise ImportError('gdn_ext.dask needs dask: pip install "gdn_ext[dask]" (or "dask[array]")'
                       ) from _exc
 
+from ._problem import _Problem
 from ._checks import (caller_location, compute_dtype, flag, head_first_message, real_scalar,
                       value_messages, warn)
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG
@@ -54,7 +55,7 @@ def _array(x, name, ndim, layout, chunks=None):
             raise TypeError(f"{name} is a torch tensor: pass a NumPy or dask array "
                             f"({name}.detach().numpy())")
         x = np.asarray(x)
-        if x.ndim == ndim and chunks is not None:
+        if x.ndim == ndim and chunks is not None and tuple(map(sum, chunks)) == x.shape:
             x = da.from_array(x, chunks=chunks)
         else:
             x = da.from_array(x, chunks=-1)
@@ -66,6 +67,11 @@ def _array(x, name, ndim, layout, chunks=None):
     if any(np.isnan(c) for cs in x.chunks for c in cs):
         raise ValueError(f"{name} has unknown chunk sizes; call {name}.compute_chunk_sizes()")
     return x
+
+
+def _stand_in(x):
+    """A read-only NumPy array of x's shape and dtype that takes no memory (None for None)."""
+    return None if x is None else np.broadcast_to(np.zeros((), x.dtype), x.shape)
 
 
 def _one_chunk(x, name, axes, what):
@@ -81,49 +87,38 @@ class _Inputs:
     value heads of a group a core dimension (so a chunk always holds whole groups)."""
 
     def __init__(self, q, k, v, beta, alpha, g, initial_state, extra=()):
-        if (alpha is None) == (g is None):
-            raise ValueError("give exactly one of alpha (decay in [0, 1]) and g (log decay); got "
-                             + ("both" if alpha is not None else "neither"))
         self.gate_name = "alpha" if alpha is not None else "g"
+        gate = alpha if alpha is not None else g
         q = _array(q, "q", 4, "[B, T, H, Dk]")
-        k = _array(k, "k", 4, "[B, T, H, Dk]", chunks=q.chunks)
         B, T, H, Dk = q.shape
         # NumPy inputs take the chunks of q's batch and head chunks (whole groups for values)
         G0 = (np.shape(v)[2] // H) if H and np.ndim(v) == 4 else 1
         hv_chunks = tuple(c * G0 for c in q.chunks[2])
         seq = lambda extra: (q.chunks[0], (T,), hv_chunks) + extra  # noqa: E731
-        v = _array(v, "v", 4, "[B, T, HV, Dv]", chunks=seq((np.shape(v)[-1],)) if np.ndim(v) == 4
-                   else None)
-        if k.shape != q.shape:
-            raise ValueError(f"k must have the shape of q {list(q.shape)}; got {list(k.shape)}")
-        if v.shape[:2] != (B, T) or H == 0 or v.shape[2] % H:
-            raise ValueError(f"v must have shape [B, T, HV, Dv] = [{B}, {T}, HV, Dv] with HV a "
-                             f"multiple of H = {H}; got {list(v.shape)}")
-        HV, Dv = v.shape[2], v.shape[3]
-        G = HV // H
-        gate = alpha if alpha is not None else g
-        gate = _array(gate, self.gate_name, 4 if np.ndim(gate) == 4 else 3,
-                      "[B, T, HV] or [B, T, HV, Dk]",
-                      chunks=seq((Dk,)) if np.ndim(gate) == 4 else seq(()))
-        self.per_key = gate.ndim == 4
-        if gate.shape != ((B, T, HV, Dk) if self.per_key else (B, T, HV)):
-            raise ValueError(f"{self.gate_name} must have shape [B, T, HV] = {[B, T, HV]} or "
-                             f"[B, T, HV, Dk] = {[B, T, HV, Dk]}; got {list(gate.shape)}")
-        beta = _array(beta, "beta", 3, f"[B, T, HV] = {[B, T, HV]}", chunks=seq(()))
-        if beta.shape != (B, T, HV):
-            raise ValueError(f"beta must have shape [B, T, HV] = {[B, T, HV]}; got "
-                             f"{list(beta.shape)}")
+        k = _array(k, "k", 4, "[B, T, H, Dk]", chunks=q.chunks)
+        v = _array(v, "v", 4, "[B, T, HV, Dv]",
+                   chunks=seq(((np.shape(v)[-1],),)) if np.ndim(v) == 4 else None)
+        beta = _array(beta, "beta", 3, "[B, T, HV]", chunks=seq(()))
+        if gate is not None:
+            gate = _array(gate, self.gate_name, 4 if np.ndim(gate) == 4 else 3,
+                          "[B, T, HV] or [B, T, HV, Dk]",
+                          chunks=seq(((Dk,),)) if np.ndim(gate) == 4 else seq(()))
+        if initial_state is not None:
+            initial_state = _array(initial_state, "initial_state", 4, "[B, HV, Dv, Dk]",
+                                   chunks=(q.chunks[0], hv_chunks) + tuple(
+                                       (n,) for n in np.shape(initial_state)[2:]))
+        # the shape rules are the NumPy API's: checked on stand-ins of the right shapes
+        p = _Problem(*(_stand_in(x) for x in (q, k, v, beta)),
+                     _stand_in(gate) if alpha is not None else None,
+                     _stand_in(gate) if g is not None else None,
+                     _stand_in(initial_state), 1.0, check_values=False, views=False)
+        G, HV, Dv, self.per_key = p.G, p.HV, p.Dv, p.per_key
         what = {1: "T", 3: "D"}
         for x, name in ((q, "q"), (k, "k"), (v, "v")):
             _one_chunk(x, name, (1, 3), what)
         _one_chunk(beta, "beta", (1,), what)
         _one_chunk(gate, self.gate_name, (1, 3) if self.per_key else (1,), what)
         if initial_state is not None:
-            initial_state = _array(initial_state, "initial_state", 4, "[B, HV, Dv, Dk]",
-                                   chunks=(q.chunks[0], hv_chunks, (Dv,), (Dk,)))
-            if initial_state.shape != (B, HV, Dv, Dk):
-                raise ValueError(f"initial_state must have shape [B, HV, Dv, Dk] = "
-                                 f"{[B, HV, Dv, Dk]}; got {list(initial_state.shape)}")
             _one_chunk(initial_state, "initial_state", (2, 3), {2: "Dv", 3: "Dk"})
         # value-head chunks must be whole groups, aligned with the query/key heads' chunks
         self.head_chunks = q.chunks[2]

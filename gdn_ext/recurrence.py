@@ -192,15 +192,15 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     S. Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient Training",
     ICML 2024 (arXiv:2312.06635).
     """
-    nt = thread_count(num_threads)
+    asked = thread_count(num_threads)   # the thread count asked for; 0: OpenMP's default
     output_final_state = flag(output_final_state, "output_final_state")
     return_checkpoints = flag(return_checkpoints, "return_checkpoints")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
-                 check_values=check_values, delta_rule=delta_rule, num_threads=nt)
+                 check_values=check_values, delta_rule=delta_rule, num_threads=asked)
     if return_checkpoints:
-        o, S_T, ck = _forward(p, nt, checkpoints=True)
+        o, S_T, ck = _forward(p, asked, checkpoints=True)
         return p.user_seq(o), (S_T if output_final_state else None), ck
-    o, S_T = _forward(p, nt)
+    o, S_T = _forward(p, asked)
     return p.user_seq(o), (S_T if output_final_state else None)
 
 
@@ -264,13 +264,13 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks", ICLR 2025
     (arXiv:2412.06464), section 3; the equations above are the chain rule through its recurrence.
     """
-    nt = thread_count(num_threads)
+    asked = thread_count(num_threads)
     do = as_real_array(do, "do")
     dST = None if dS_T is None else as_real_array(dS_T, "dS_T")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
                  extra=[do] + ([dST] if dST is not None else []), check_values=check_values,
-                 delta_rule=delta_rule, num_threads=nt)
-    do_k, dST_k = _checked_output_grads(p, converted(do, p.dtype, num_threads=nt),
+                 delta_rule=delta_rule, num_threads=asked)
+    do_k, dST_k = _checked_output_grads(p, converted(do, p.dtype, num_threads=asked),
                                         None if dST is None else converted(dST, p.dtype))
     args = (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args()
     if checkpoints is None:
@@ -279,7 +279,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
         args += (_checked_ckpt(p, checkpoints, initial_state),)
         ufunc = p.ufunc("bwd_ckpt")
     grads, views = _new_grads(p)
-    _call(ufunc, args, views, nt)
+    _call(ufunc, args, views, asked)
     return _user_grads(p, *grads)
 
 
@@ -422,7 +422,7 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
 
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025 (arXiv:2412.06464), sec. 3.
     """
-    nt = thread_count(num_threads)
+    asked = thread_count(num_threads)
     inplace = flag(inplace, "inplace")
     p = _Problem(q_t, k_t, v_t, beta, alpha, g, state, scale, normalize_qk, step=True,
                  check_values=check_values, delta_rule=delta_rule)
@@ -435,10 +435,10 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
             S_T = _step_out(p, out)
             o, o_k = p.new_seq(p.Dv)
             _call(p.ufunc("fwd"), (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args(),
-                  (o_k, S_T), nt)
+                  (o_k, S_T), asked)
             return StepResult(p.user_seq(o)[:, 0], out)
     if not inplace:
-        o, S_T = _forward(p, nt)
+        o, S_T = _forward(p, asked)
         return StepResult(p.user_seq(o)[:, 0], S_T)
     if not isinstance(state, np.ndarray):
         raise ValueError("inplace=True needs state to be an ndarray (to write S_t into); got "
@@ -451,5 +451,5 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
     # the kernel reads every state row of a step before writing it, so S_t may overwrite S_{t-1}
     o, o_k = p.new_seq(p.Dv)
     _call(p.ufunc("fwd"), (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args(),
-          (o_k, p.state_view(state)), nt)
+          (o_k, p.state_view(state)), asked)
     return StepResult(p.user_seq(o)[:, 0], state)

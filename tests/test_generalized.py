@@ -239,6 +239,31 @@ def test_bad_cu_seqlens(cu, exc, msg, backward):
         run(inputs, backward=backward, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("cu,exc,msg", BAD_CU + [([0, 5, 15, 20], ValueError, "initial_state")])
+def test_bad_cu_seqlens_same_error_in_every_front_end(cu, exc, msg):
+    """cu_seqlens has one check: the torch function and the flash-linear-attention drop-ins
+    raise the NumPy API's error, word for word (the last case: a valid cu_seqlens for 3
+    sequences with a state for 2)."""
+    torch = pytest.importorskip("torch")
+    import gdn_ext.torch as gt
+    inputs = make(np.random.default_rng(16), B=1, T=20, cu=[0, 5, 20])
+    with pytest.raises(exc, match=msg) as want:
+        run(inputs, cu_seqlens=cu)
+    t = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in inputs.items()
+         if n in ("q", "k", "v", "beta", "alpha", "initial_state")}
+    with pytest.raises(exc) as got:
+        gt.gated_delta_rule(t["q"], t["k"], t["v"], beta=t["beta"], alpha=t["alpha"],
+                            initial_state=t["initial_state"], cu_seqlens=cu)
+    assert str(got.value) == str(want.value)
+    if msg == "initial_state":     # the drop-ins' state is [N, HV, K, V]: their own message
+        return
+    with pytest.raises(exc) as got:
+        gt.chunk_gated_delta_rule(t["q"], t["k"], t["v"], g=t["alpha"].log(), beta=t["beta"],
+                                  cu_seqlens=cu if not isinstance(cu, list) else
+                                  torch.tensor(cu))
+    assert str(got.value) == str(want.value)
+
+
 def test_other_generalisation_errors():
     inputs = make(np.random.default_rng(17), B=2, T=10, cu=[0, 4, 10])
     with pytest.raises(ValueError, match="cu_seqlens packs sequences along T, so B must be 1"):

@@ -112,6 +112,29 @@ def test_dask_refuses_bad_chunks():
         gd.gated_delta_rule(*args, beta=kw["beta"][:, :, :2], g=kw["g"])
 
 
+SHAPE_ERRORS = {                  # name -> a wrong shape (the rest as _inputs makes them)
+    "k": (4, 20, 2, 4), "v": (4, 19, 4, 3), "beta": (4, 20, 3), "g": (4, 20, 4, 4),
+    "initial_state": (4, 4, 3, 6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPE_ERRORS))
+@pytest.mark.parametrize("lazy", [False, True])
+def test_dask_shape_errors_are_the_numpy_apis(name, lazy):
+    """One set of shape rules: gdn_ext.dask raises the NumPy API's error, word for word, for
+    dask and NumPy arguments alike."""
+    x, G = _inputs(np.random.default_rng(4))
+    x[name] = np.zeros(SHAPE_ERRORS[name], np.float32)
+    c = _chunked(x, G) if lazy else x
+    (q, k, v), kw = _split(x)
+    with pytest.raises(ValueError) as want:
+        gdn_ext.gated_delta_rule(q, k, v, **kw)
+    (q, k, v), kw = _split(c)
+    with pytest.raises(ValueError) as got:
+        gd.gated_delta_rule(q, k, v, **kw)
+    assert str(got.value) == str(want.value)
+
+
 def test_threads_context_manager():
     """threads(n) sets the count for calls in its block, in this thread only; num_threads= and
     an inner threads() win; the previous value comes back, also after an error."""

@@ -509,6 +509,24 @@ def test_opcheck_passes():
                                 inputs["initial_state"], ck, 0.5, True, False, None, None, True))
 
 
+def test_packed_checkpoints_are_the_numpy_apis():
+    """The forward operator hands the backward the NumPy API's checkpoints of packed sequences
+    (a count for the longest sequence, not padded to one for T), and its fake gives them a
+    data-dependent size that torch.compile accepts."""
+    cu = [0, 20, 20, 40]
+    packed = _inputs(44, B=1, T=40, cu=cu, gate="g")
+    assert gdn_ext.checkpoint_count(20) < gdn_ext.checkpoint_count(40)
+    args = (packed["q"], packed["k"], packed["v"], packed["beta"], packed["g"],
+            packed["initial_state"], 1.0, True, False, torch.tensor(cu), True, None, True)
+    _, _, ck = torch.ops.gdn_ext.gated_delta_rule_fwd(*args)
+    n = {k: packed[k].numpy() for k in ("q", "k", "v", "beta", "g", "initial_state")}
+    _, _, want = gdn_ext.gated_delta_rule(n.pop("q"), n.pop("k"), n.pop("v"), **n,
+                                          cu_seqlens=cu, return_checkpoints=True)
+    assert ck.shape == want.shape
+    np.testing.assert_array_equal(ck.numpy(), want)
+    torch.library.opcheck(torch.ops.gdn_ext.gated_delta_rule_fwd, args)
+
+
 def test_torch_compile_fullgraph():
     """A module that calls the drop-in traces in one graph and gives the eager numbers and
     gradients."""

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import flag
-from .function import gated_delta_rule, warn_unusual
+from .._problem import packed_sequences
+from .function import cu_tensor, gated_delta_rule, warn_unusual
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
 
@@ -75,18 +76,8 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
         _expect(gk, "gk", (B, T, HV, K), "[B, T, HV, K]")
     if beta is not None:
         _expect(beta, "beta", (B, T, HV), "[B, T, HV]")
-    N = B
-    if cu_seqlens is not None:
-        try:
-            cu = torch.as_tensor(cu_seqlens)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"cu_seqlens must be an integer tensor [N + 1]: {exc}") from None
-        if cu.dim() != 1 or cu.numel() < 2:
-            raise ValueError(f"cu_seqlens must have shape [N + 1]; got {_shape(cu)}")
-        if B != 1:
-            raise ValueError(f"the batch size must be 1 with cu_seqlens (flatten the sequences "
-                             f"into one); got B = {B}")
-        N = cu.numel() - 1
+    cu_seqlens = cu_tensor(cu_seqlens)   # N (for the state's shape) from the one check of it
+    N = B if cu_seqlens is None else packed_sequences(cu_seqlens.numpy(), B, T)[1]
     if initial_state is not None:
         state_lay = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
         _expect(initial_state, "initial_state",

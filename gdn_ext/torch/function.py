@@ -46,10 +46,15 @@ def _state_shape(q, v, initial_state, cu_seqlens):
     return (N,) + heads + (v.shape[-1], q.shape[-1])
 
 
-def _ckpt_count(T) -> int:
-    """Checkpoint slots the forward returns: checkpoint_count of the whole (packed) length, an
-    upper bound of every packed sequence's own count, so that the shape depends on T only."""
-    return checkpoint_count(int(T))
+def cu_tensor(cu_seqlens):
+    """cu_seqlens (a tensor or a sequence of ints) as a CPU tensor for the operators, or None;
+    its values are checked by gdn_ext.gated_delta_rule when they run."""
+    if cu_seqlens is None:
+        return None
+    try:
+        return torch.as_tensor(cu_seqlens, device="cpu")
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"cu_seqlens must be an integer tensor [N + 1]: {exc}") from None
 
 
 def _gate_kw(gate, gate_is_log):
@@ -62,8 +67,9 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
             gate_is_log: bool, normalize_qk: bool, cu_seqlens: Optional[torch.Tensor],
             keep_checkpoints: bool, num_threads: Optional[int], delta_rule: bool,
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(o, S_T, checkpoints): checkpoints [..., NCK, Dv, Dk] with NCK = checkpoint_count(T)
-    (zeros past a packed sequence's own count), or an empty tensor when not kept."""
+    """(o, S_T, checkpoints): checkpoints as gdn_ext.gated_delta_rule(return_checkpoints=True)
+    gives them ([..., NCK, Dv, Dk], NCK = checkpoint_count of the longest sequence), or an empty
+    tensor when not kept."""
     out = _np_forward(_numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
                       **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
                       scale=scale, normalize_qk=normalize_qk, cu_seqlens=_numpy(cu_seqlens),
@@ -72,21 +78,19 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     o, S_T = torch.from_numpy(out[0]), torch.from_numpy(out[1])
     if not keep_checkpoints:
         return o, S_T, q.new_empty((0,))
-    ck = out[2]
-    nck = _ckpt_count(q.shape[1])
-    if ck.shape[-3] != nck:                      # packed: pad to the fixed count
-        full = np.zeros(ck.shape[:-3] + (nck,) + ck.shape[-2:], ck.dtype)
-        full[..., :ck.shape[-3], :, :] = ck
-        ck = full
-    return o, S_T, torch.from_numpy(ck)
+    return o, S_T, torch.from_numpy(out[2])
 
 
 @_fwd_op.register_fake
 def _(q, k, v, beta, gate, initial_state, scale, gate_is_log, normalize_qk, cu_seqlens,
       keep_checkpoints, num_threads, delta_rule):
     S = _state_shape(q, v, initial_state, cu_seqlens)
-    ck = (S[:-2] + (_ckpt_count(q.shape[1]),) + S[-2:]) if keep_checkpoints else (0,)
-    return v.new_empty(v.shape), v.new_empty(S), v.new_empty(ck)
+    if not keep_checkpoints:
+        return v.new_empty(v.shape), v.new_empty(S), v.new_empty((0,))
+    # packed: the count follows the longest sequence, a value of cu_seqlens
+    nck = (checkpoint_count(q.shape[1]) if cu_seqlens is None
+           else torch.library.get_ctx().new_dynamic_size())
+    return v.new_empty(v.shape), v.new_empty(S), v.new_empty(S[:-2] + (nck,) + S[-2:])
 
 
 @torch.library.custom_op("gdn_ext::gated_delta_rule_bwd", mutates_args=(), device_types="cpu")
@@ -97,15 +101,11 @@ def _bwd_op(do: torch.Tensor, dS_T: Optional[torch.Tensor], q: torch.Tensor, k: 
             cu_seqlens: Optional[torch.Tensor], num_threads: Optional[int],
             delta_rule: bool) -> List[torch.Tensor]:
     """[dq, dk, dv, dbeta, dgate, d_initial_state] (the last one shaped as the state)."""
-    ck = _numpy(checkpoints)
-    cu = _numpy(cu_seqlens)
-    if ck is not None and cu is not None:        # back to the packed sequences' own count
-        longest = int(np.max(np.diff(cu))) if cu.size > 1 else 0
-        ck = ck[..., :checkpoint_count(longest), :, :]
     g = _np_backward(_numpy(do), _numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
                      **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
-                     dS_T=_numpy(dS_T), scale=scale, normalize_qk=normalize_qk, cu_seqlens=cu,
-                     num_threads=num_threads, checkpoints=ck, check_values=False,
+                     dS_T=_numpy(dS_T), scale=scale, normalize_qk=normalize_qk,
+                     cu_seqlens=_numpy(cu_seqlens), num_threads=num_threads,
+                     checkpoints=_numpy(checkpoints), check_values=False,
                      delta_rule=delta_rule)
     return [torch.from_numpy(np.ascontiguousarray(x)) for x in g]
 
@@ -189,9 +189,9 @@ def _check_tensor(t, name):
         raise TypeError(f"{name} must be float32 or float64; got {t.dtype}")
 
 
-def _check_ranks(q, k, v, beta, gate, gate_name, initial_state):
-    """Ranks only (the kernels' checks name every size): what the fake implementations need
-    to run under torch.compile before the real checks do."""
+def _check_ranks(q, k, v, beta, gate, gate_name, initial_state, cu_seqlens):
+    """Ranks only (gdn_ext.gated_delta_rule, which the operators call, checks every size and
+    value): what the fake implementations need to run under torch.compile before it does."""
     if q.dim() not in (3, 4):
         raise ValueError(f"q must have shape [B, T, H, Dk] (or [B, T, Dk], the single-head form); "
                          f"got {list(q.shape)}")
@@ -211,6 +211,9 @@ def _check_ranks(q, k, v, beta, gate, gate_name, initial_state):
         raise ValueError(f"initial_state must have shape "
                          f"{'[B, Dv, Dk]' if single else '[B, HV, Dv, Dk]'}; got "
                          f"{list(initial_state.shape)}")
+    if cu_seqlens is not None and cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got "
+                         f"{list(cu_seqlens.shape)}")
 
 
 def _plain(t) -> bool:
@@ -295,19 +298,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     if len(dtypes) > 1:
         raise TypeError("q, k, v, beta, the gate and initial_state must share one dtype; got "
                         + ", ".join(f"{n} {t.dtype}" for n, t in tensors.items()))
-    _check_ranks(q, k, v, beta, gate, gate_name, initial_state)
-    if cu_seqlens is not None:
-        try:
-            cu_seqlens = torch.as_tensor(cu_seqlens, device="cpu")
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"cu_seqlens must be an integer tensor [N + 1]: {exc}") from None
-        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
-                cu_seqlens.dtype == torch.bool:
-            raise TypeError(f"cu_seqlens must be an integer tensor [N + 1]; got "
-                            f"{cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1:
-            raise ValueError(f"cu_seqlens must have shape [N + 1]; got {list(cu_seqlens.shape)}")
-        cu_seqlens = cu_seqlens.to(torch.int64)
+    cu_seqlens = cu_tensor(cu_seqlens)
+    _check_ranks(q, k, v, beta, gate, gate_name, initial_state, cu_seqlens)
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a real number; got {type(scale).__name__}")
     # None stays None: resolved when the kernel runs (gdn_ext.threads(n) of that thread, else
