@@ -23,13 +23,18 @@ _LIBRARY = {   # public names -> the module that holds them (loaded with the com
     "checkpoint_interval": "recurrence", "checkpoint_count": "recurrence",
     "threads": "recurrence",
 }
-__all__ = list(_LIBRARY) + ["GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult",
-                            "LayerStepResult", "LayerGrads", "LayerCache", "reference",
-                            "__version__"]
+__all__ = [   # written out (not computed from _LIBRARY), so that type checkers read it
+    "layer", "ufuncs", "GatedDeltaNetParams", "gated_deltanet_forward", "gated_deltanet_backward",
+    "gated_deltanet_step", "rmsnorm", "l2norm", "gated_delta_rule", "gated_delta_rule_backward",
+    "gated_delta_rule_step", "openmp_enabled", "checkpoint_interval", "checkpoint_count",
+    "threads", "GatedDeltaRuleOutput", "GatedDeltaRuleOutputWithCheckpoints",
+    "GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult", "LayerStepResult", "LayerGrads",
+    "LayerCache", "reference", "__version__"]
 
 # Importable without the compiled module: the oracle and the result types.
 from . import reference  # noqa: E402
-from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, LayerCache,  # noqa: E402
+from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG,  # noqa: E402
+                       GatedDeltaRuleOutput, GatedDeltaRuleOutputWithCheckpoints, LayerCache,
                        LayerGrads, LayerStepResult, StepResult)
 
 # The compiled module, loaded by _native (which holds the error to raise when it is missing)

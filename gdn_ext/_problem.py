@@ -43,6 +43,10 @@ class _Names:
         return shape[:1] + shape[2:] if self.step else shape
 
 
+_BROADCASTS = (" (a scalar, or an array that broadcasts to that shape by NumPy's rules, aligned "
+               "at the right, works too)")
+
+
 def _pick_gate(alpha, g):
     """(name, value) of the one gate given; ValueError for both or neither."""
     if (alpha is None) == (g is None):
@@ -105,13 +109,16 @@ class _Problem:
         check_values = flag(check_values, "check_values")
         self.delta_rule = flag(delta_rule, "delta_rule")
         self.gate_name, gate = _pick_gate(alpha, g)
+        # Python numbers are weak, as in NumPy (NEP 50): beta=0.5 keeps float32 inputs float32
+        weak = [type(beta) in (int, float), type(gate) in (int, float)]
         q, k, v, beta, gate, s0 = self._read_forms(q, k, v, beta, gate, initial_state)
         self._check_shapes(q, k, v, beta, gate)
         self._check_packed(cu_seqlens)
         self._check_state(s0)
         if check_values:
             self._warn_unusual(k, beta, gate)
-        self.dtype = compute_dtype([q, k, v, beta, gate] + ([s0] if s0 is not None else [])
+        strong = [a for a, w in zip((beta, gate), weak) if not w]
+        self.dtype = compute_dtype([q, k, v] + strong + ([s0] if s0 is not None else [])
                                    + list(extra))
         if views:   # False: shapes only (gdn_ext.dask checks its lazy arrays' shapes here)
             self._build_views(q, k, v, beta, gate, s0)
@@ -136,6 +143,7 @@ class _Problem:
         beta = as_real_array(beta, "beta")
         gate = as_real_array(gate, self.gate_name)
         s0 = None if s0 is None else as_real_array(s0, n.state)
+        beta, gate = self._broadcast(q, v, beta, gate)
         if n.step:   # one token: add the T axis
             q = q[:, None]
             k = _with_axis(k, 1, n.k,
@@ -149,6 +157,35 @@ class _Problem:
             k = _with_axis(k, 2, n.k, lambda: n.lay("B", "T", "Dk"))
             v = _with_axis(v, 2, n.v, lambda: n.lay("B", "T", "Dv"))
         return q, k, v, beta, gate, s0
+
+    def _broadcast(self, q, v, beta, gate):
+        """beta and the gate broadcast (NumPy's rules) to one per head, [B, T, HV] ([B, T]
+        single-head; no T for the step API), or, for a gate with one dimension more, to one per
+        key channel [.., Dk]. The shapes given are kept for the gradients (beta_given,
+        gate_given; None when given in full). Shapes that do not broadcast are left for
+        _check_shapes to name."""
+        self.beta_given = self.gate_given = None
+        step, sh = self.names.step, self.single_head
+        if v.ndim != q.ndim:
+            return beta, gate
+        lead = q.shape[:1] if step else q.shape[:2]
+        per_head = lead if sh else lead + v.shape[-2:-1]
+        per_key = per_head + q.shape[-1:]
+        exact = {per_head, per_key} | ({per_head + (1,)} if sh else set())
+
+        def fit(a, per_key_ok):
+            if a.shape in exact and (per_key_ok or a.shape != per_key):
+                return a, None
+            target = per_key if per_key_ok and a.ndim == len(per_head) + 1 else per_head
+            if a.ndim > len(target):
+                return a, None
+            try:
+                return np.broadcast_to(a, target), a.shape
+            except ValueError:
+                return a, None
+        beta, self.beta_given = fit(beta, False)
+        gate, self.gate_given = fit(gate, True)
+        return beta, gate
 
     # 2. the shapes -----------------------------------------------------------------------------
     def _check_shapes(self, q, k, v, beta, gate):
@@ -187,13 +224,13 @@ class _Problem:
         head_user = lambda: fmt(n.user((B, T) if sh else (B, T, HV)))  # noqa: E731
         if beta.shape not in per_head:
             raise ValueError(f"beta must have shape {head_lay()} = {head_user()}; got "
-                             f"{fmt(n.user(beta.shape))}")
+                             f"{fmt(n.user(beta.shape))}{_BROADCASTS}")
         self.per_key = gate.shape == per_key and gate.shape not in per_head
         if gate.shape not in per_head and not self.per_key:
             key_lay = n.lay("B", "T", "Dk") if sh else n.lay("B", "T", heads, "Dk")
             raise ValueError(f"{self.gate_name} must have shape {head_lay()} = {head_user()} (one "
                              f"gate per head) or {key_lay} = {fmt(n.user(per_key))} (one per key "
-                             f"channel); got {fmt(n.user(gate.shape))}")
+                             f"channel); got {fmt(n.user(gate.shape))}{_BROADCASTS}")
 
     def _warn_unusual(self, k, beta, gate):
         """Warnings for values a learner may not mean (cheap next to the recurrence; see

@@ -37,10 +37,11 @@ except ImportError as _exc:  # pragma: no cover - exercised without dask
 from ._problem import _Problem
 from ._checks import (caller_location, compute_dtype, flag, head_first_message, real_scalar,
                       value_messages, warn)
-from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG
+from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, GatedDeltaRuleOutput
 from ._threads import thread_count
 from .recurrence import gated_delta_rule as _np_forward
 from .recurrence import gated_delta_rule_backward as _np_backward
+from .recurrence import sum_to
 
 __all__ = ["gated_delta_rule", "gated_delta_rule_backward"]
 
@@ -48,6 +49,21 @@ __all__ = ["gated_delta_rule", "gated_delta_rule_backward"]
 def _array(x, name, ndim, layout, chunks=None):
     """A dask array of ``ndim`` dimensions. A NumPy array (or array-like) is wrapped with
     ``chunks`` (those of the dask inputs it goes with; one chunk when None)."""
+    x = _operand(x, name)
+    if not isinstance(x, da.Array):
+        if x.ndim == ndim and chunks is not None and tuple(map(sum, chunks)) == x.shape:
+            x = da.from_array(x, chunks=chunks)
+        else:
+            x = da.from_array(x, chunks=-1)
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have shape {layout}; got {list(x.shape)}")
+    if any(np.isnan(c) for cs in x.chunks for c in cs):
+        raise ValueError(f"{name} has unknown chunk sizes; call {name}.compute_chunk_sizes()")
+    return x
+
+
+def _operand(x, name):
+    """A dask array as it is, anything else as an ndarray; either of a real dtype."""
     if x is None:
         raise TypeError(f"{name} is required (got None)")
     if not isinstance(x, da.Array):
@@ -55,18 +71,20 @@ def _array(x, name, ndim, layout, chunks=None):
             raise TypeError(f"{name} is a torch tensor: pass a NumPy or dask array "
                             f"({name}.detach().numpy())")
         x = np.asarray(x)
-        if x.ndim == ndim and chunks is not None and tuple(map(sum, chunks)) == x.shape:
-            x = da.from_array(x, chunks=chunks)
-        else:
-            x = da.from_array(x, chunks=-1)
     if x.dtype.kind not in "biuf" or not np.can_cast(x.dtype, np.float64, "safe"):
         raise TypeError(f"{name} must have a real dtype that casts safely to float64; got "
                         f"{x.dtype}")
-    if x.ndim != ndim:
-        raise ValueError(f"{name} must have shape {layout}; got {list(x.shape)}")
+    return x
+
+
+def _full(x, name, shape, chunks):
+    """beta or the gate broadcast to its full ``shape`` (no copy), a dask array; one that was
+    broadcast (or given as NumPy) gets ``chunks``, a dask one given in full keeps its own."""
+    if not isinstance(x, da.Array):
+        return da.from_array(np.broadcast_to(x, shape), chunks=chunks)
     if any(np.isnan(c) for cs in x.chunks for c in cs):
         raise ValueError(f"{name} has unknown chunk sizes; call {name}.compute_chunk_sizes()")
-    return x
+    return x if x.shape == tuple(shape) else da.broadcast_to(x, shape).rechunk(chunks)
 
 
 def _stand_in(x):
@@ -98,11 +116,12 @@ class _Inputs:
         k = _array(k, "k", 4, "[B, T, H, Dk]", chunks=q.chunks)
         v = _array(v, "v", 4, "[B, T, HV, Dv]",
                    chunks=seq(((np.shape(v)[-1],),)) if np.ndim(v) == 4 else None)
-        beta = _array(beta, "beta", 3, "[B, T, HV]", chunks=seq(()))
-        if gate is not None:
-            gate = _array(gate, self.gate_name, 4 if np.ndim(gate) == 4 else 3,
-                          "[B, T, HV] or [B, T, HV, Dk]",
-                          chunks=seq(((Dk,),)) if np.ndim(gate) == 4 else seq(()))
+        # Python numbers are weak (as in the NumPy API): they do not change the dtype; they are
+        # cast to the computation's (cast_numbers), as the NumPy API casts them
+        weak = [type(x) in (int, float) for x in (beta, gate)]
+        self.weak = dict(zip(("beta", "gate"), weak))
+        beta = _operand(beta, "beta")
+        gate = None if gate is None else _operand(gate, self.gate_name)
         if initial_state is not None:
             initial_state = _array(initial_state, "initial_state", 4, "[B, HV, Dv, Dk]",
                                    chunks=(q.chunks[0], hv_chunks) + tuple(
@@ -112,6 +131,14 @@ class _Inputs:
                      _stand_in(gate) if alpha is not None else None,
                      _stand_in(gate) if g is not None else None,
                      _stand_in(initial_state), 1.0, check_values=False, views=False)
+        strong = [x for x, w in zip((beta, gate), weak) if not w]
+        arrays = [q, k, v] + strong + ([initial_state] if initial_state is not None else [])
+        self.dtype = compute_dtype([np.empty(0, a.dtype) for a in arrays + list(extra)])
+        # a scalar or broadcastable beta / gate: broadcast, chunked as v along B and the heads
+        self.beta_given, self.gate_given = p.beta_given, p.gate_given
+        beta = _full(beta, "beta", p.beta_shape, seq(()))
+        gate = _full(gate, self.gate_name, p.gate_shape,
+                     seq(((Dk,),)) if p.per_key else seq(()))
         G, HV, Dv, self.per_key = p.G, p.HV, p.Dv, p.per_key
         what = {1: "T", 3: "D"}
         for x, name in ((q, "q"), (k, "k"), (v, "v")):
@@ -139,11 +166,16 @@ class _Inputs:
                 raise ValueError(f"{name} must be chunked along B as q {q.chunks[0]}; got "
                                  f"{x.chunks[0]}")
         self.sizes = (B, T, H, G, HV, Dk, Dv)
-        arrays = [q, k, v, beta, gate] + ([initial_state] if initial_state is not None else [])
-        self.dtype = compute_dtype([np.empty(0, a.dtype) for a in arrays + list(extra)])
         self.q, self.k = q, k
         self.initial_state = initial_state
         self.v, self.beta, self.gate = v, beta, gate
+
+    def cast_numbers(self):
+        """beta and the gate given as Python numbers in the computation's dtype (self.dtype)."""
+        if self.weak["beta"]:
+            self.beta = self.beta.astype(self.dtype)
+        if self.weak["gate"]:
+            self.gate = self.gate.astype(self.dtype)
 
     def grouped(self, x):
         """[B, T, HV, ...] -> [B, H, G, T, ...] (lazy)."""
@@ -213,7 +245,9 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     """:func:`gdn_ext.gated_delta_rule` on dask arrays, lazily, one gdn_ext call per chunk.
 
     q, k [B, T, H, Dk]; v [B, T, HV, Dv]; beta [B, T, HV]; alpha or g [B, T, HV] or
-    [B, T, HV, Dk]; initial_state [B, HV, Dv, Dk] or None (dask or NumPy arrays). Chunked along
+    [B, T, HV, Dk]; initial_state [B, HV, Dv, Dk] or None (dask or NumPy arrays); beta and the
+    gate may also be Python numbers or arrays that broadcast to those shapes, as in
+    :func:`gdn_ext.gated_delta_rule` (a broadcast one is chunked as v). Chunked along
     B and the heads only (a chunked T, Dk or Dv raises ValueError naming the argument); value
     heads in chunks of whole groups aligned with q's head chunks. ``num_threads``: kernel threads
     per task (default 1: dask runs tasks in parallel already; None: OpenMP's default).
@@ -221,7 +255,8 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     of this call: the layout one from the shapes now, the value ones from each chunk's values
     when it is computed (see the module docstring); False turns them off.
 
-    Returns lazy (o [B, T, HV, Dv], S_T [B, HV, Dv, Dk]) of the computation's dtype.
+    Returns a GatedDeltaRuleOutput (o [B, T, HV, Dv], S_T [B, HV, Dv, Dk]) of lazy arrays of
+    the computation's dtype.
     Raises ValueError / TypeError for bad shapes, chunks, dtypes, options.
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, sec. 3.
     """
@@ -229,6 +264,7 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     opts = _options(scale, normalize_qk, delta_rule, num_threads)
     check = _checker(x, check_values, opts["delta_rule"], opts["normalize_qk"])
     gate_name, dt = x.gate_name, x.dtype
+    x.cast_numbers()
     B, T, H, G, HV, Dk, Dv = x.sizes
     tg = "(g,t,k)" if x.per_key else "(g,t)"
     args = [x.heads(x.q), x.heads(x.k), x.grouped(x.v), x.grouped(x.beta), x.grouped(x.gate)]
@@ -250,7 +286,7 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     o, S = da.apply_gufunc(block, sig + "->(g,t,v),(g,v,k)", *args, output_dtypes=(dt, dt),
                            allow_rechunk=False, vectorize=False)
     o = o.transpose(0, 3, 1, 2, 4).reshape(B, T, HV, Dv)
-    return o, S.reshape(B, HV, Dv, Dk)
+    return GatedDeltaRuleOutput(o, S.reshape(B, HV, Dv, Dk))
 
 
 def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
@@ -262,7 +298,8 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
     Arguments as :func:`gated_delta_rule`, plus do [B, T, HV, Dv] and dS_T [B, HV, Dv, Dk] (or
     None), chunked like v and initial_state (``check_values`` as there). Returns the gradients tuple of
     :func:`gdn_ext.gated_delta_rule_backward` (``GatedDeltaRuleGrads`` for alpha,
-    ``GatedDeltaRuleGradsG`` for g) holding lazy dask arrays, d_initial_state always given.
+    ``GatedDeltaRuleGradsG`` for g) holding lazy dask arrays, d_initial_state always given; a
+    broadcast beta or gate's gradient in the shape it was given in.
     """
     x = _Inputs(q, k, v, beta, alpha, g, initial_state)
     vc = x.v.chunks
@@ -285,6 +322,7 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
     opts = _options(scale, normalize_qk, delta_rule, num_threads)
     check = _checker(x, check_values, opts["delta_rule"], opts["normalize_qk"])
     gate_name, dt = x.gate_name, x.dtype
+    x.cast_numbers()
     tg = "(g,t,k)" if x.per_key else "(g,t)"
     has_s0, has_dst = x.initial_state is not None, dST is not None
     args = [x.grouped(do), x.heads(x.q), x.heads(x.k), x.grouped(x.v), x.grouped(x.beta),
@@ -326,4 +364,4 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
              else dgate.transpose(0, 3, 1, 2).reshape(B, T, HV))
     ds0 = ds0.reshape(B, HV, Dv, Dk)
     cls = GatedDeltaRuleGradsG if gate_name == "g" else GatedDeltaRuleGrads
-    return cls(dq, dk, dv, dbeta, dgate, ds0)
+    return cls(dq, dk, dv, sum_to(dbeta, x.beta_given), sum_to(dgate, x.gate_given), ds0)

@@ -18,10 +18,10 @@ Rule", ICLR 2025 (arXiv:2412.06464), sections 3-4.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from typing import Any, Literal, Optional, Tuple, Union, overload
 
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
 
 from . import reference
 from ._checks import as_real_array, expect_shape, flag, fmt
@@ -259,10 +259,27 @@ def _recurrence(h, q, k, v, gate, eta, S, normalize_qk, scale, num_threads, delt
     return O, S_T, LayerCache(h, q, k, v, gate, eta, O, ck)
 
 
+# The overloads tell a type checker that return_cache=True adds the cache.
+@overload
 def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
                            normalize_qk: bool = False, scale: float = 1.0,
                            num_threads: Optional[int] = None, delta_rule: bool = True,
-                           gated: bool = True, return_cache: bool = False) -> tuple:
+                           gated: bool = True, return_cache: Literal[False] = False,
+                           ) -> Tuple[NDArray[Any], NDArray[Any]]: ...
+@overload  # noqa: E302
+def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
+                           normalize_qk: bool = False, scale: float = 1.0,
+                           num_threads: Optional[int] = None, delta_rule: bool = True,
+                           gated: bool = True, return_cache: Literal[True],
+                           ) -> Tuple[NDArray[Any], NDArray[Any], LayerCache]: ...
+
+
+def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
+                           normalize_qk: bool = False, scale: float = 1.0,
+                           num_threads: Optional[int] = None, delta_rule: bool = True,
+                           gated: bool = True, return_cache: bool = False,
+                           ) -> Union[Tuple[NDArray[Any], NDArray[Any]],
+                                      Tuple[NDArray[Any], NDArray[Any], LayerCache]]:
     """The design note's Gated DeltaNet layer: ``y, S_T = gated_deltanet_forward(x, S, params)``.
 
     Parameters

@@ -5,7 +5,7 @@ Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -14,10 +14,16 @@ from ._native import _core
 from ._checks import as_real_array, converted, expect_shape, flag, sequence_length, warn
 from ._problem import _Problem
 from ._threads import pieces, run_pieces, thread_count, threads
-from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, StepResult
+from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, GatedDeltaRuleOutput,
+                       GatedDeltaRuleOutputWithCheckpoints, StepResult)
 
-__all__ = ["threads", "gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step", "GatedDeltaRuleGrads",
-           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count", "StepResult"]
+__all__ = ["threads", "gated_delta_rule", "gated_delta_rule_backward", "gated_delta_rule_step",
+           "GatedDeltaRuleOutput", "GatedDeltaRuleOutputWithCheckpoints", "GatedDeltaRuleGrads",
+           "GatedDeltaRuleGradsG", "openmp_enabled", "checkpoint_interval", "checkpoint_count",
+           "StepResult"]
+
+Array = NDArray[Any]
+CuSeqlens = Union[ArrayLike, Sequence[int], None]
 
 
 def openmp_enabled() -> bool:
@@ -84,14 +90,44 @@ def _forward(p, num_threads, checkpoints=False):
     return o, S_T, ck
 
 
+# The overloads tell a type checker what the flags return: S_T is an array unless
+# output_final_state=False, and return_checkpoints=True adds the checkpoints.
+@overload
+def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLike,
+                     alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
+                     initial_state: Optional[ArrayLike] = None, scale: float = 1.0,
+                     output_final_state: Literal[True] = True, num_threads: Optional[int] = None,
+                     normalize_qk: bool = False, cu_seqlens: CuSeqlens = None,
+                     return_checkpoints: Literal[False] = False, check_values: bool = True,
+                     delta_rule: bool = True) -> GatedDeltaRuleOutput: ...
+@overload  # noqa: E302
+def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLike,
+                     alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
+                     initial_state: Optional[ArrayLike] = None, scale: float = 1.0,
+                     output_final_state: Literal[True] = True, num_threads: Optional[int] = None,
+                     normalize_qk: bool = False, cu_seqlens: CuSeqlens = None,
+                     return_checkpoints: Literal[True], check_values: bool = True,
+                     delta_rule: bool = True) -> GatedDeltaRuleOutputWithCheckpoints: ...
+@overload  # noqa: E302
 def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLike,
                      alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
                      initial_state: Optional[ArrayLike] = None, scale: float = 1.0,
                      output_final_state: bool = True, num_threads: Optional[int] = None,
-                     normalize_qk: bool = False,
-                     cu_seqlens: Union[ArrayLike, Sequence[int], None] = None,
+                     normalize_qk: bool = False, cu_seqlens: CuSeqlens = None,
                      return_checkpoints: bool = False, check_values: bool = True,
-                     delta_rule: bool = True) -> tuple:
+                     delta_rule: bool = True,
+                     ) -> Union[Tuple[Array, Optional[Array]], Tuple[Array, Optional[Array], Array]]:
+    ...
+
+
+def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLike,
+                     alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
+                     initial_state: Optional[ArrayLike] = None, scale: float = 1.0,
+                     output_final_state: bool = True, num_threads: Optional[int] = None,
+                     normalize_qk: bool = False, cu_seqlens: CuSeqlens = None,
+                     return_checkpoints: bool = False, check_values: bool = True,
+                     delta_rule: bool = True,
+                     ) -> Union[Tuple[Array, Optional[Array]], Tuple[Array, Optional[Array], Array]]:
     """The gated delta rule recurrence (Gated DeltaNet's token mixer), computed in C.
 
     For each sequence and value head, with state S of shape [Dv, Dk] and t = 1..T::
@@ -109,13 +145,18 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     v : array [B, T, HV, Dv]  (single-head: [B, T, Dv])
         Values. HV must be a multiple of H: value head hv reads query/key head hv // (HV / H)
         (grouped order, as flash-linear-attention and transformers); HV = H is the usual case.
-    beta : array [B, T, HV]  (single-head: [B, T] or [B, T, 1]), keyword-only
-        Write strength (the design note's ``eta``), usually in [0, 1].
+    beta : array [B, T, HV]  (single-head: [B, T] or [B, T, 1]), or a scalar, keyword-only
+        Write strength (the design note's ``eta``), usually in [0, 1]. A scalar or any array
+        that broadcasts to [B, T, HV] by NumPy's rules (aligned at the right: [HV] one per
+        head, [B, 1, 1] one per sequence) is broadcast; its gradient comes back in the shape
+        given. Python numbers do not change the computation's dtype.
     alpha : array [B, T, HV] or [B, T, HV, Dk]  (single-head: [B, T], [B, T, 1] or [B, T, Dk])
         Decay, the fraction of the old state kept at each step, in [0, 1] (the design note's
         ``gate``): one per head, or one per key channel (D_t = diag(alpha_t), the gating of Gated
         Linear Attention and Kimi Delta Attention). The shape picks the variant. Exactly one of
-        ``alpha`` and ``g`` must be given.
+        ``alpha`` and ``g`` must be given. Broadcasts as beta does (``alpha=1.0``: no decay, the
+        delta rule of DeltaNet); an array with one dimension more than [B, T, HV] broadcasts to
+        the per-key [B, T, HV, Dk] ([1, 1, HV, Dk]: one decay per head and key channel).
     g : array, same shapes as alpha
         Log decay (natural log, <= 0): alpha = exp(g); g = -inf means alpha = 0.
     initial_state : array [B, HV, Dv, Dk]  (single-head: [B, Dv, Dk]; packed: [N, HV, Dv, Dk])
@@ -159,8 +200,12 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
 
     Returns
     -------
+    GatedDeltaRuleOutput (o, S_T), a named tuple; with ``return_checkpoints=True``
+    GatedDeltaRuleOutputWithCheckpoints (o, S_T, checkpoints). They unpack as tuples.
+
     o : ndarray [B, T, HV, Dv]  (single-head: [B, T, Dv])
     S_T : ndarray, the shape of initial_state ([B, HV, Dv, Dk]; packed: [N, HV, Dv, Dk]), or None
+        when ``output_final_state=False``
     checkpoints : ndarray [B, HV, NCK, Dv, Dk] (single-head [B, NCK, Dv, Dk]; packed
         [N, HV, NCK, Dv, Dk]; NCK = checkpoint_count of the longest sequence), only with
         ``return_checkpoints=True``.
@@ -199,9 +244,31 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                  check_values=check_values, delta_rule=delta_rule, num_threads=asked)
     if return_checkpoints:
         o, S_T, ck = _forward(p, asked, checkpoints=True)
-        return p.user_seq(o), (S_T if output_final_state else None), ck
+        return GatedDeltaRuleOutputWithCheckpoints(p.user_seq(o),
+                                                   S_T if output_final_state else None, ck)
     o, S_T = _forward(p, asked)
-    return p.user_seq(o), (S_T if output_final_state else None)
+    return GatedDeltaRuleOutput(p.user_seq(o), S_T if output_final_state else None)
+
+
+# The gradient type follows the gate given: dalpha for alpha, dg for g.
+@overload
+def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                              beta: ArrayLike, alpha: ArrayLike, g: None = None,
+                              initial_state: Optional[ArrayLike] = None,
+                              dS_T: Optional[ArrayLike] = None, scale: float = 1.0,
+                              num_threads: Optional[int] = None, normalize_qk: bool = False,
+                              cu_seqlens: CuSeqlens = None, checkpoints: Optional[Array] = None,
+                              check_values: bool = True, delta_rule: bool = True,
+                              ) -> GatedDeltaRuleGrads: ...
+@overload  # noqa: E302
+def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                              beta: ArrayLike, alpha: None = None, g: ArrayLike,
+                              initial_state: Optional[ArrayLike] = None,
+                              dS_T: Optional[ArrayLike] = None, scale: float = 1.0,
+                              num_threads: Optional[int] = None, normalize_qk: bool = False,
+                              cu_seqlens: CuSeqlens = None, checkpoints: Optional[Array] = None,
+                              check_values: bool = True, delta_rule: bool = True,
+                              ) -> GatedDeltaRuleGradsG: ...
 
 
 def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
@@ -210,9 +277,8 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
                               initial_state: Optional[ArrayLike] = None,
                               dS_T: Optional[ArrayLike] = None, scale: float = 1.0,
                               num_threads: Optional[int] = None, normalize_qk: bool = False,
-                              cu_seqlens: Union[ArrayLike, Sequence[int], None] = None,
-                              checkpoints: Optional[NDArray] = None, check_values: bool = True,
-                              delta_rule: bool = True,
+                              cu_seqlens: CuSeqlens = None, checkpoints: Optional[Array] = None,
+                              check_values: bool = True, delta_rule: bool = True,
                               ) -> Union[GatedDeltaRuleGrads, GatedDeltaRuleGradsG]:
     """Gradients of :func:`gated_delta_rule` (backpropagation through time, in C).
 
@@ -253,8 +319,9 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     -------
     GatedDeltaRuleGrads(dq, dk, dv, dbeta, dalpha, d_initial_state) when alpha was given, or
     GatedDeltaRuleGradsG(dq, dk, dv, dbeta, dg, d_initial_state) when g was given (dg = alpha *
-    dalpha). Each gradient has its input's shape (d_initial_state: the state's, also when
-    initial_state was None) and the dtype of the computation (float32 or float64).
+    dalpha). Each gradient has the shape its input was given in (a broadcast beta or gate: summed
+    over the broadcast axes; a Python number: a 0-d array; d_initial_state: the state's, also
+    when initial_state was None) and the dtype of the computation (float32 or float64).
 
     Raises
     ------
@@ -332,8 +399,22 @@ def _user_grads(p, dq, dk, dv, dalpha, dbeta, dS0):
         dg = np.empty(dalpha.shape, p.dtype)
         run_pieces(lambda sl: np.multiply(a[sl], dalpha[sl], out=dg[sl]), pieces(dg.shape),
                    p.num_threads)
-        return GatedDeltaRuleGradsG(dq, dk, dv, dbeta, dg.reshape(p.gate_shape), dS0)
-    return GatedDeltaRuleGrads(dq, dk, dv, dbeta, dalpha.reshape(p.gate_shape), dS0)
+        return GatedDeltaRuleGradsG(dq, dk, dv, sum_to(dbeta, p.beta_given),
+                                    sum_to(dg.reshape(p.gate_shape), p.gate_given), dS0)
+    return GatedDeltaRuleGrads(dq, dk, dv, sum_to(dbeta, p.beta_given),
+                               sum_to(dalpha.reshape(p.gate_shape), p.gate_given), dS0)
+
+
+def sum_to(x, shape):
+    """The gradient ``x`` of an argument that was broadcast from ``shape``: summed over the axes
+    broadcasting added or stretched (an array of ``shape``; 0-d for a scalar). ``x`` itself when
+    the argument was given in full (shape None)."""
+    if shape is None:
+        return x
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
+                                      if n == 1 and x.shape[lead + i] != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)   # (an array, also for shape ())
 
 
 def _checked_ckpt(p, checkpoints, initial_state):
@@ -369,7 +450,7 @@ def checkpoint_count(T: int) -> int:
 
 def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, beta: ArrayLike,
                           alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
-                          state: Optional[ArrayLike], scale: float = 1.0,
+                          state: Optional[ArrayLike] = None, scale: float = 1.0,
                           normalize_qk: bool = False, num_threads: Optional[int] = None,
                           inplace: bool = False, check_values: bool = True,
                           delta_rule: bool = True, out: Optional[np.ndarray] = None) -> StepResult:
@@ -385,11 +466,12 @@ def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, bet
     ----------
     q_t, k_t : array [B, H, Dk]  (single-head form: [B, Dk])
     v_t : array [B, HV, Dv]  (single-head: [B, Dv]); HV a multiple of H, as gated_delta_rule.
-    beta : array [B, HV]  (single-head: [B] or [B, 1])
+    beta : array [B, HV]  (single-head: [B] or [B, 1]), or a scalar / an array that broadcasts
+        to it, as gated_delta_rule.
     alpha or g : array [B, HV] or [B, HV, Dk] (per key channel)  (single-head: [B], [B, 1],
-        [B, Dk]); exactly one of them.
-    state : array [B, HV, Dv, Dk]  (single-head: [B, Dv, Dk]), or None for zeros; required
-        (pass ``state=None`` explicitly at the first token). Not modified unless ``inplace``.
+        [B, Dk]), or what broadcasts to them, as beta; exactly one of them.
+    state : array [B, HV, Dv, Dk]  (single-head: [B, Dv, Dk]), default None: zeros (the first
+        token). Not modified unless ``inplace``.
     scale : float, default 1.0
     normalize_qk : bool, default False -- L2-normalise q_t and k_t, as gated_delta_rule.
     num_threads : int or None -- as gated_delta_rule.

@@ -17,14 +17,14 @@ Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 # only pure-Python siblings: the oracle must import when the compiled module is missing or broken
 from ._constants import L2_EPS
-from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG
+from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, GatedDeltaRuleOutput
 
 __all__ = ["batch_matvec", "batch_outer", "gate_memory", "l2norm", "l2norm_backward",
            "gated_delta_rule", "gated_delta_rule_backward"]
@@ -174,7 +174,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                      alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
                      initial_state: Optional[ArrayLike] = None, scale: float = 1.0,
                      normalize_qk: bool = False, cu_seqlens: Optional[ArrayLike] = None,
-                     delta_rule: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+                     delta_rule: bool = True) -> GatedDeltaRuleOutput:
     """Forward loop of the design note, generalised. Returns (o, S_T) shaped as
     :func:`gdn_ext.gated_delta_rule` returns them; ``delta_rule=False`` writes
     ``beta_t v_t k_t^T`` (linear attention, gated or not) instead of the delta rule's
@@ -196,8 +196,8 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     o = np.concatenate(outs, axis=1)
     S_T = finals[0] if cu_seqlens is None else np.concatenate(finals, axis=0)
     if P["single"]:
-        return o[:, :, 0], S_T[:, 0]
-    return o, S_T
+        return GatedDeltaRuleOutput(o[:, :, 0], S_T[:, 0])
+    return GatedDeltaRuleOutput(o, S_T)
 
 
 def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,

@@ -33,7 +33,8 @@ SHAPE_CASES = [
     ("v", lambda x: x["v"][:, :, :2], ["v", "[B, T, H, Dv]"]),
     ("beta", lambda x: x["beta"][..., None], ["beta", "[B, T, H] = [2, 5, 3]"]),
     ("beta", lambda x: x["beta"][:, :2], ["beta", "[B, T, H]"]),
-    ("alpha", lambda x: x["alpha"][:, :, :1], ["alpha", "[B, T, H] = [2, 5, 3]"]),
+    # ([:, :, :1] broadcasts: one gate for every head)
+    ("alpha", lambda x: x["alpha"][:, :, :2], ["alpha", "[B, T, H] = [2, 5, 3]"]),
     ("initial_state", lambda x: np.swapaxes(x["initial_state"], -1, -2),
      ["initial_state", "[B, H, Dv, Dk] = [2, 3, 6, 4]"]),
     ("initial_state", lambda x: x["initial_state"][0], ["initial_state", "[B, H, Dv, Dk]"]),

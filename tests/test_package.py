@@ -50,10 +50,11 @@ def _call(kind, kw, do=None):
 @pytest.mark.parametrize("kind,make", [("forward", _seq), ("backward", _seq), ("step", _step),
                                        ("forward", _single), ("backward", _single)])
 def test_scalars_where_arrays_are_required_are_named(kind, make):
-    """A 0-d array or Python scalar for any array argument: ValueError naming it, never
-    IndexError (the step API and the single-head form added axes to them)."""
+    """A 0-d array or Python scalar for any array argument but beta and the gate (which take
+    scalars: tests/test_api_forms.py): ValueError naming it, never IndexError (the step API and
+    the single-head form added axes to them)."""
     good = make(np.random.default_rng(0))
-    for name in [n for n in good if n != "state"]:
+    for name in [n for n in good if n not in ("state", "beta", "alpha", "g")]:
         for scalar in (0.5, np.float64(0.5), np.array(0.5)):
             bad = dict(good, **{name: scalar})
             with pytest.raises((ValueError, TypeError)) as info:

@@ -1,0 +1,195 @@
+"""What a user types: scalars and broadcastable beta / alpha / g, the step's default state, and
+the forward's named-tuple result, in the NumPy and dask front ends."""
+import numpy as np
+import pytest
+
+import gdn_ext
+from gdn_ext.recurrence import sum_to
+from helpers import central_differences
+
+B, T, H, HV, Dk, Dv = 2, 6, 2, 4, 3, 5
+
+
+def _qkv(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, H, Dk))
+    k = rng.standard_normal((B, T, H, Dk))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    return q.astype(dtype), k.astype(dtype), rng.standard_normal((B, T, HV, Dv)).astype(dtype)
+
+
+# (beta as given, gate as given, per_key): each broadcasts to [B, T, HV] (gate: or [.., Dk])
+FORMS = [
+    (0.5, 0.9, False),                                   # Python numbers: one for everything
+    (1, 1, False),                                       # ints: DeltaNet's alpha = 1
+    (np.linspace(0.2, 0.8, HV), np.array(0.95), False),  # one per head; a 0-d array
+    (np.full((B, 1, 1), 0.4), np.linspace(0.6, 0.99, T)[:, None], False),  # per sequence / step
+    (0.5, np.linspace(0.7, 0.99, HV * Dk).reshape(1, 1, HV, Dk), True),    # per head and key
+    (0.5, np.linspace(0.7, 0.99, Dk)[None, None, None], True),             # per key channel
+]
+
+
+def _full(x, per_key, dtype):
+    shape = (B, T, HV, Dk) if per_key else (B, T, HV)
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype), shape))
+
+
+@pytest.mark.parametrize("beta,gate,per_key", FORMS)
+@pytest.mark.parametrize("gate_name", ["alpha", "g"])
+def test_broadcast_forward_equals_full_arrays(beta, gate, per_key, gate_name):
+    """Bitwise the call with the arrays written out in full, in float32 (Python numbers and
+    float64 arrays given with float32 q, k, v: as NumPy would choose the dtype)."""
+    q, k, v = _qkv(np.float32)
+    if gate_name == "g":
+        gate = np.log(gate) if not isinstance(gate, (int, float)) else float(np.log(gate))
+    dtype = np.result_type(np.float32, *(x for x in (beta, gate)
+                                         if type(x) not in (int, float)))
+    got = gdn_ext.gated_delta_rule(q, k, v, beta=beta, **{gate_name: gate})
+    want = gdn_ext.gated_delta_rule(q, k, v, beta=_full(beta, False, dtype),
+                                    **{gate_name: _full(gate, per_key, dtype)})
+    assert got.o.dtype == dtype
+    np.testing.assert_array_equal(got.o, want.o)
+    np.testing.assert_array_equal(got.S_T, want.S_T)
+
+
+@pytest.mark.parametrize("beta,gate,per_key", FORMS)
+@pytest.mark.parametrize("gate_name", ["alpha", "g"])
+def test_broadcast_gradients_are_summed_to_the_given_shape(beta, gate, per_key, gate_name):
+    q, k, v = _qkv(np.float64, 1)
+    if gate_name == "g":
+        gate = np.log(gate) if not isinstance(gate, (int, float)) else float(np.log(gate))
+    do = np.random.default_rng(2).standard_normal((B, T, HV, Dv))
+    got = gdn_ext.gated_delta_rule_backward(do, q, k, v, beta=beta, **{gate_name: gate})
+    full = gdn_ext.gated_delta_rule_backward(do, q, k, v, beta=_full(beta, False, np.float64),
+                                             **{gate_name: _full(gate, per_key, np.float64)})
+    dgate = got.dg if gate_name == "g" else got.dalpha
+    dgate_full = full.dg if gate_name == "g" else full.dalpha
+    assert isinstance(got.dbeta, np.ndarray) and got.dbeta.shape == np.shape(beta)
+    assert isinstance(dgate, np.ndarray) and dgate.shape == np.shape(gate)
+    for want_shape, x, x_full in ((np.shape(beta), got.dbeta, full.dbeta),
+                                  (np.shape(gate), dgate, dgate_full)):
+        lead = x_full.ndim - len(want_shape)
+        axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(want_shape)
+                                          if n == 1)
+        np.testing.assert_allclose(x, x_full.sum(axis=axes).reshape(want_shape), rtol=1e-12,
+                                   atol=1e-12)
+    np.testing.assert_array_equal(got.dv, full.dv)
+
+
+def test_scalar_gradients_match_finite_differences():
+    """d loss / d beta and d loss / d g for scalar beta and g, against central differences of
+    the forward in float64."""
+    q, k, v = _qkv(np.float64, 3)
+    do = np.random.default_rng(4).standard_normal((B, T, HV, Dv))
+    beta, g = 0.6, -0.2
+    grads = gdn_ext.gated_delta_rule_backward(do, q, k, v, beta=beta, g=g)
+
+    def loss(x):   # the scalars as Python numbers, as a user passes them
+        o = gdn_ext.gated_delta_rule(q, k, v, beta=float(x["beta"]), g=float(x["g"])).o
+        return float(np.sum(do * o))
+    fd = central_differences(loss, {"beta": np.array(beta), "g": np.array(g)})
+    np.testing.assert_allclose(grads.dbeta, fd["beta"], rtol=1e-7)
+    np.testing.assert_allclose(grads.dg, fd["g"], rtol=1e-7)
+
+
+def test_python_numbers_keep_float32_and_numpy_scalars_do_not():
+    q, k, v = _qkv(np.float32)
+    assert gdn_ext.gated_delta_rule(q, k, v, beta=0.5, alpha=1).o.dtype == np.float32
+    assert gdn_ext.gated_delta_rule(q, k, v, beta=np.float32(0.5), alpha=1.0).o.dtype == np.float32
+    # a NumPy float64 scalar is a float64 input, as in any NumPy ufunc
+    assert gdn_ext.gated_delta_rule(q, k, v, beta=np.float64(0.5), alpha=1.0).o.dtype == np.float64
+
+
+@pytest.mark.parametrize("bad,name", [
+    (dict(beta=np.ones(3)), "beta"),                      # 3 heads for HV = 4
+    (dict(alpha=np.ones((T + 1, 1))), "alpha"),           # T + 1 steps
+    (dict(alpha=np.ones((1, 1, 1, HV, Dk))), "alpha"),    # too many dimensions
+    (dict(beta=np.ones((1, 1, HV, Dk))), "beta"),         # beta has no per-key form
+])
+def test_shapes_that_do_not_broadcast_are_named(bad, name):
+    q, k, v = _qkv(np.float64)
+    kw = dict(beta=0.5, alpha=0.9)
+    kw.update(bad)
+    with pytest.raises(ValueError, match=f"^{name} must have shape .* broadcasts to that shape"):
+        gdn_ext.gated_delta_rule(q, k, v, **kw)
+
+
+def test_broadcast_inputs_are_not_modified():
+    q, k, v = _qkv(np.float64)
+    beta, alpha = np.linspace(0.2, 0.8, HV), np.full((B, 1, 1), 0.9)
+    copies = [x.copy() for x in (beta, alpha)]
+    gdn_ext.gated_delta_rule_backward(np.ones((B, T, HV, Dv)), q, k, v, beta=beta, alpha=alpha)
+    for x, c in zip((beta, alpha), copies):
+        np.testing.assert_array_equal(x, c)
+
+
+def test_step_takes_numbers_and_starts_from_zeros_by_default():
+    q, k, v = _qkv(np.float32)
+    o1, S1 = gdn_ext.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta=0.5, alpha=0.9)
+    want = gdn_ext.gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], beta=0.5, alpha=0.9)
+    assert o1.dtype == np.float32
+    np.testing.assert_allclose(o1, want.o[:, 0], rtol=1e-6)
+    np.testing.assert_allclose(S1, want.S_T, rtol=1e-6)
+    o2, _ = gdn_ext.gated_delta_rule_step(q[:, 1], k[:, 1], v[:, 1], beta=np.full(HV, 0.5),
+                                          g=np.log(np.full((B, 1), 0.9)), state=S1)
+    want2 = gdn_ext.gated_delta_rule(q[:, :2], k[:, :2], v[:, :2], beta=0.5, alpha=0.9)
+    np.testing.assert_allclose(o2, want2.o[:, 1], rtol=1e-5)
+
+
+def test_forward_returns_named_tuples():
+    q, k, v = _qkv(np.float64)
+    out = gdn_ext.gated_delta_rule(q, k, v, beta=0.5, alpha=0.9)
+    assert type(out) is gdn_ext.GatedDeltaRuleOutput and out._fields == ("o", "S_T")
+    o, S_T = out
+    assert o is out.o and S_T is out.S_T and S_T.shape == (B, HV, Dv, Dk)
+    assert "o=array(shape=[2, 6, 4, 5], dtype=float64)" in repr(out)
+    ck = gdn_ext.gated_delta_rule(q, k, v, beta=0.5, alpha=0.9, return_checkpoints=True)
+    assert type(ck) is gdn_ext.GatedDeltaRuleOutputWithCheckpoints
+    assert ck._fields == ("o", "S_T", "checkpoints")
+    np.testing.assert_array_equal(ck.o, o)
+    assert gdn_ext.gated_delta_rule(q, k, v, beta=0.5, alpha=0.9,
+                                    output_final_state=False).S_T is None
+
+
+def test_sum_to():
+    x = np.arange(24.0).reshape(2, 3, 4)
+    assert sum_to(x, None) is x
+    assert sum_to(x, ()).shape == () and sum_to(x, ()) == x.sum()
+    np.testing.assert_array_equal(sum_to(x, (4,)), x.sum(axis=(0, 1)))
+    np.testing.assert_array_equal(sum_to(x, (2, 1, 1)), x.sum(axis=(1, 2), keepdims=True))
+    np.testing.assert_array_equal(sum_to(x, (3, 1)), x.sum(axis=(0, 2))[:, None])
+
+
+@pytest.mark.parametrize("beta,gate,per_key", FORMS)
+def test_dask_takes_the_same_forms(beta, gate, per_key):
+    """gdn_ext.dask: the same results, bitwise, as one NumPy call, and gradients in the shapes
+    given (a dask gate broadcast too)."""
+    da = pytest.importorskip("dask.array")
+    import dask
+    import gdn_ext.dask as gd
+    q, k, v = _qkv(np.float32, 5)
+    chunked = [da.from_array(x, chunks=(1, -1, 1, -1)) for x in (q, k)]
+    vd = da.from_array(v, chunks=(1, -1, HV // H, -1))
+    gate_d = gate if isinstance(gate, (int, float)) else da.from_array(np.asarray(gate))
+    want = gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=gate)
+    got = dask.compute(*gd.gated_delta_rule(*chunked, vd, beta=beta, alpha=gate_d))
+    assert got[0].dtype == want.o.dtype
+    np.testing.assert_array_equal(got[0], want.o)
+    np.testing.assert_array_equal(got[1], want.S_T)
+    do = np.ones_like(v)
+    g_np = gdn_ext.gated_delta_rule_backward(do, q, k, v, beta=beta, alpha=gate)
+    g_d = dask.compute(*gd.gated_delta_rule_backward(da.from_array(do, chunks=vd.chunks),
+                                                    *chunked, vd, beta=beta, alpha=gate_d))
+    for a, b in zip(g_np, g_d):
+        assert np.shape(a) == np.shape(b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_api_tour_runs():
+    """examples/api_tour.py, the script CI type-checks with mypy --strict, runs as written."""
+    import runpy
+    from pathlib import Path
+    tour = Path(__file__).resolve().parents[1] / "examples" / "api_tour.py"
+    if not tour.exists():
+        pytest.skip("examples/ is not shipped with the package")
+    runpy.run_path(str(tour), run_name="__main__")
