@@ -5,24 +5,13 @@ import difflib
 import importlib
 import sys
 
-# command -> (module of gdn_ext.apps with a main(argv), what it does)
-COMMANDS = {
-    "train": ("train", "train the character-level Gated DeltaNet language model (the default)"),
-    "check": ("check", "gradient check of the layer: finite differences and PyTorch autograd"),
-    "demo": ("demo", "time the C forward and backward on random inputs"),
-    "bench": ("bench", "gdn_ext's speed next to its peers (GFLOP/s, x peak)"),
-    "bench-qwen3-next": ("bench_qwen3_next", "a small Qwen3-Next model with and without gdn_ext"),
-    "ondisk": ("ondisk", "a batch larger than memory from zarr through gdn_ext.dask"),
-    "conformance": ("conformance", "check a gated delta rule kernel against gdn_ext"),
-}
+from .apps._cli import COMMANDS, commands_help, plain
+
 USAGE = f"usage: python -m gdn_ext [{{{','.join(COMMANDS)}}}] [options]"
 
 
 def _help():
-    lines = [USAGE, "", __doc__.splitlines()[2], "", "commands:"]
-    lines += [f"  {name:<18}{what}" for name, (_, what) in COMMANDS.items()]
-    lines += ["", "python -m gdn_ext COMMAND --help: the options of a command"]
-    return "\n".join(lines)
+    return "\n".join([USAGE, "", plain(__doc__.split("\n\n", 1)[1]), "", commands_help()])
 
 
 def main(argv=None):
