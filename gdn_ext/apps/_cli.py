@@ -3,6 +3,7 @@ that turn a bad value into a usage error (not a traceback), the help formatter t
 option's default, and `plain`, which turns a module docstring's reST markup into the plain text
 that ``--help`` shows (the docstrings stay reST for the API reference)."""
 import argparse
+import copy
 import inspect
 import math
 import re
@@ -66,8 +67,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _expand_help(self, action):
         if isinstance(action.default, (list, tuple)):
-            action = argparse.Namespace(**{**vars(action), "default": " ".join(
-                str(d) for d in action.default)})
+            action = copy.copy(action)
+            action.default = " ".join(str(d) for d in action.default)
         return super()._expand_help(action)
 
 
@@ -85,20 +86,20 @@ _TICKED = r"(?:[^`\n]|\n(?![ \t]*\n))"     # the same without backquotes
 _STARLESS = r"(?:[^*\n]|\n(?![ \t]*\n))"   # the same without stars
 _INLINE = re.compile(
     r"(?<![\w\\`])(?:"
-    rf"``(?P<literal>\S(?:{_SPAN}*?\S)??)``"                      # ``literal``
-    rf"|(?P<role>(?::[\w.+-]+)+:)`(?P<target>{_TICKED}+)`"        # :func:`x`, :py:mod:`~a.b`
-    rf"|`(?P<link>{_TICKED}+)`__?"                                # `text <url>`_
-    rf"|`(?P<interpreted>[^`\s](?:{_TICKED}*?[^`\s])??)`"         # `default role`
-    rf"|\*\*(?P<strong>\S(?:{_SPAN}*?\S)??)\*\*"                  # **strong**
-    rf"|\*(?P<emphasis>[^*\s](?:{_STARLESS}*?[^*\s])??)\*"         # *emphasis*
-    r"|(?P<footnote>\[(?:\d+|#\w*|\*)\])_"                       # [1]_
+    rf"``(?P<literal>\S(?:{_SPAN}*?\S)??)``"                   # ``literal``
+    rf"|(?::[\w.+-]+)+:`(?P<target>{_TICKED}+)`"              # :func:`x`, :py:mod:`~a.b`
+    rf"|`(?P<link>{_TICKED}+)`__?"                             # `text <url>`_
+    rf"|`(?P<interpreted>[^`\s](?:{_TICKED}*?[^`\s])??)`"      # `default role`
+    rf"|\*\*(?P<strong>\S(?:{_SPAN}*?\S)??)\*\*"               # **strong**
+    rf"|\*(?P<emphasis>[^*\s](?:{_STARLESS}*?[^*\s])??)\*"      # *emphasis*
+    r"|(?P<footnote>\[(?:\d+|#\w*|\*)\])_"                    # [1]_
     r")(?![\w`*])")
 _TITLE_TARGET = re.compile(r"^(?P<title>.*?)\s*<(?P<target>[^<>]+)>$", re.DOTALL)
 
 
 def _replace(m):
-    kind = m.lastgroup if m.lastgroup != "role" else "target"
-    text = m.group(kind)
+    kind = "target" if m["target"] is not None else m.lastgroup
+    text = m[kind]
     if kind == "target":                                   # a cross-reference role
         titled = _TITLE_TARGET.match(text)
         if titled and titled["title"]:
