@@ -5,24 +5,16 @@ import difflib
 import importlib
 import sys
 
-# command -> (module of gdn_ext.apps with a main(argv), what it does)
-COMMANDS = {
-    "train": ("train", "train the character-level Gated DeltaNet language model (the default)"),
-    "check": ("check", "gradient check of the layer: finite differences and PyTorch autograd"),
-    "demo": ("demo", "time the C forward and backward on random inputs"),
-    "bench": ("bench", "gdn_ext's speed next to its peers (GFLOP/s, x peak)"),
-    "bench-qwen3-next": ("bench_qwen3_next", "a small Qwen3-Next model with and without gdn_ext"),
-    "ondisk": ("ondisk", "a batch larger than memory from zarr through gdn_ext.dask"),
-    "conformance": ("conformance", "check a gated delta rule kernel against gdn_ext"),
-}
+# the applications are loaded by name, as the commands are below: no import statement of the
+# library names them (tests/test_package.py keeps the library and the applications apart)
+_cli = importlib.import_module("gdn_ext.apps._cli")
+COMMANDS = _cli.COMMANDS
 USAGE = f"usage: python -m gdn_ext [{{{','.join(COMMANDS)}}}] [options]"
 
 
 def _help():
-    lines = [USAGE, "", __doc__.splitlines()[2], "", "commands:"]
-    lines += [f"  {name:<18}{what}" for name, (_, what) in COMMANDS.items()]
-    lines += ["", "python -m gdn_ext COMMAND --help: the options of a command"]
-    return "\n".join(lines)
+    return "\n".join([USAGE, "", _cli.plain((__doc__ or "").partition("\n\n")[2]), "",
+                      _cli.commands_help()])
 
 
 def main(argv=None):

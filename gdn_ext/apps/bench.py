@@ -24,7 +24,6 @@ linearly), Dk = Dv and threads, and one decode step against a full call's per-to
 padded-batch row, ``--scaling 1 2 4 8 16`` only a thread-scaling measurement (parallel efficiency
 = speed-up / threads; use ``--repeat`` 5 or more, single runs on a shared machine are noise).
 """
-import argparse
 import json
 import os
 import platform
@@ -38,8 +37,10 @@ import numpy as np
 import gdn_ext
 from gdn_ext import _core, reference
 from gdn_ext._threads import busy_cap, default_threads, raw_ufunc_threads
+from . import _cli
+from ._cli import positive_int
 
-__all__ = ["main", "run"]
+__all__ = ["build_parser", "main", "run"]
 
 
 def _timeit(fn, repeat):
@@ -668,29 +669,38 @@ def plot(res, path):
     plt.close(fig)
 
 
-def main(argv=None):
-    """Command line of ``python -m gdn_ext bench`` (see the module docstring); returns 0."""
-    ap = argparse.ArgumentParser(prog="python -m gdn_ext bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None, help="default: OpenMP's default")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--torch-seq-len", type=int, default=None,
+def build_parser():
+    """The argparse parser of ``python -m gdn_ext bench``."""
+    ap = _cli.parser("python -m gdn_ext bench", __doc__)
+    ap.add_argument("--batch", type=positive_int, default=2, help="B, sequences")
+    ap.add_argument("--seq-len", type=positive_int, default=2048, help="T, tokens")
+    ap.add_argument("--heads", type=positive_int, default=4, help="H, heads")
+    ap.add_argument("--head-dim", type=positive_int, default=128, help="Dk = Dv, the head size")
+    ap.add_argument("--threads", type=positive_int, default=None,
+                    help="threads of every row (default: OpenMP's default thread count)")
+    ap.add_argument("--repeat", type=positive_int, default=5,
+                    help="timed runs per row, after one warm-up; the median is shown")
+    ap.add_argument("--torch-seq-len", type=positive_int, default=None,
                     help="T for the torch rows (default: --seq-len)")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
-    ap.add_argument("--scaling", type=int, nargs="+", metavar="N",
-                    help="only the thread-scaling run, for these thread counts (e.g. 1 2 4 8 16)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one run each (a smoke test)")
+    ap.add_argument("--scaling", type=positive_int, nargs="+", metavar="N", default=None,
+                    help="only the thread-scaling run, for these thread counts, e.g. 1 2 4 8 16 "
+                         "(default: not run)")
     ap.add_argument("--padded", action="store_true",
                     help="only the padded-batch row (padded against ordinary inputs, 1 thread)")
     ap.add_argument("--targets", action="store_true",
                     help="only the training targets (ratios measured in one run, each against "
                          "its bound; with --quick, tiny sizes)")
-    ap.add_argument("--json", metavar="FILE")
-    ap.add_argument("--plot", metavar="FILE.png")
-    a = ap.parse_args(argv)
+    ap.add_argument("--json", metavar="FILE", default=None,
+                    help="write every number to FILE as JSON (default: no file)")
+    ap.add_argument("--plot", metavar="FILE.png", default=None,
+                    help="draw the results to FILE.png (needs matplotlib; default: no plot)")
+    return ap
+
+
+def main(argv=None):
+    """Command line of ``python -m gdn_ext bench`` (see the module docstring); returns 0."""
+    a = build_parser().parse_args(argv)
     if a.scaling:
         res = thread_scaling(B=a.batch, T=a.seq_len, H=a.heads, D=a.head_dim,
                              thread_counts=tuple(a.scaling), repeat=a.repeat)

@@ -5,11 +5,11 @@ Builds a small randomly initialised Qwen3-Next (no download; needs transformers 
 that both paths give the same loss, and prints the median time of forward + backward for each and
 their ratio. Times are wall-clock on this machine, median of ``--repeat`` runs after a warm-up.
 """
-import argparse
-
+from . import _cli
+from ._cli import positive_int
 from .bench import _timeit as _time
 
-__all__ = ["tiny_qwen3_next", "main"]
+__all__ = ["tiny_qwen3_next", "build_parser", "main"]
 
 
 def tiny_qwen3_next(dtype=None, hidden_size=64, linear_layers=1, full_layers=1, head_dim=16,
@@ -31,20 +31,31 @@ def tiny_qwen3_next(dtype=None, hidden_size=64, linear_layers=1, full_layers=1, 
     return Qwen3NextForCausalLM(cfg).to(dtype or torch.float32).train()
 
 
+def build_parser():
+    """The argparse parser of ``python -m gdn_ext bench-qwen3-next``."""
+    ap = _cli.parser("python -m gdn_ext bench-qwen3-next", __doc__)
+    ap.add_argument("--batch", type=positive_int, default=2, help="sequences per batch")
+    ap.add_argument("--seq-len", type=positive_int, nargs="+", default=[256, 1024, 4096],
+                    metavar="T", help="sequence lengths, one timing row each")
+    ap.add_argument("--hidden", type=positive_int, default=256, help="the model's hidden size")
+    ap.add_argument("--head-dim", type=positive_int, default=64,
+                    help="Dk = Dv of the Gated DeltaNet (and attention) heads")
+    ap.add_argument("--linear-layers", type=positive_int, default=2,
+                    help="Gated DeltaNet layers (followed by one attention layer)")
+    ap.add_argument("--repeat", type=positive_int, default=3,
+                    help="timed runs per path, after a warm-up; the median is shown")
+    ap.add_argument("--threads", type=positive_int, default=None,
+                    help="torch and OpenMP threads (default: torch's default thread count)")
+    return ap
+
+
 def main(argv=None):
+    """Command line of ``python -m gdn_ext bench-qwen3-next``; returns 0."""
+    a = build_parser().parse_args(argv)    # before importing torch: --help works without it
     import torch
     from transformers.utils import logging as hf_logging
 
     from ..torch import patch_transformers
-    ap = argparse.ArgumentParser(prog="python -m gdn_ext bench-qwen3-next", description=__doc__)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq-len", type=int, nargs="+", default=[256, 1024, 4096])
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--linear-layers", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch and OpenMP threads")
-    a = ap.parse_args(argv)
     hf_logging.set_verbosity_error()
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -8,12 +8,12 @@ L = sum(y * dy) + sum(S_T * dS_T) for random dy, dS_T, so every output and the f
 Prints a table of the largest relative errors, max|got - want| / max|want|, and returns non-zero
 when one exceeds its tolerance.
 """
-import argparse
 import sys
 
 import numpy as np
 
 from ..layer import GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward
+from . import _cli
 from ._cli import non_negative_int
 
 __all__ = ["torch_gated_deltanet_forward", "layer_gradients", "central_differences",
@@ -140,12 +140,19 @@ def run(seed=0, use_torch=None, out=None):
     return ok
 
 
+def build_parser():
+    """The argparse parser of ``python -m gdn_ext check``."""
+    ap = _cli.parser("python -m gdn_ext check", __doc__)
+    ap.add_argument("--seed", type=non_negative_int, default=0,
+                    help="seed of the random layer, input and output gradients")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="skip the comparison with PyTorch autograd, which otherwise runs when "
+                         "torch is installed")
+    return ap
+
+
 def main(argv=None):
     """Command line of ``python -m gdn_ext check``; returns 0 when every gradient is within
     tolerance, 1 otherwise."""
-    ap = argparse.ArgumentParser(prog="python -m gdn_ext check", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seed", type=non_negative_int, default=0)
-    ap.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
-    a = ap.parse_args(argv)
+    a = build_parser().parse_args(argv)
     return 0 if run(seed=a.seed, use_torch=False if a.no_torch else None) else 1

@@ -1,7 +1,6 @@
 """``python -m gdn_ext conformance MODULE:FUNCTION``: the conformance suite of
 :mod:`gdn_ext.conformance` run on a gated delta rule implementation from the command line: a table
 of every case, optionally its JSON; exit status 1 when a case fails."""
-import argparse
 import dataclasses
 import importlib
 import json
@@ -9,8 +8,9 @@ import math
 
 from gdn_ext import conformance
 from gdn_ext.conformance import TOLERANCES, Report, run
+from . import _cli
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _finite(x):
@@ -34,17 +34,31 @@ def _load(spec):
     return obj
 
 
+def build_parser():
+    """The argparse parser of ``python -m gdn_ext conformance``."""
+    ap = _cli.parser("python -m gdn_ext conformance", conformance.__doc__,
+                     epilog="Exit status: 1 when a case fails, 0 otherwise.")
+    ap.add_argument("target", metavar="MODULE:FUNCTION",
+                    help="the implementation to check, e.g. gdn_ext.torch:chunk_gated_delta_rule")
+    ap.add_argument("--convention", choices=["fla", "transformers", "gdn_ext"], default="fla",
+                    help="the target's signature: fla, flash-linear-attention's "
+                         "chunk_gated_delta_rule / fused_recurrent_gated_delta_rule; "
+                         "transformers, its torch fallbacks' (no scale, no packing); gdn_ext, "
+                         "gdn_ext.torch's")
+    ap.add_argument("--dtype", choices=sorted(TOLERANCES), default="float32",
+                    help="the dtype of the target's inputs (it sets the tolerances)")
+    ap.add_argument("--device", default="cpu", help="the target's torch device, e.g. cuda")
+    ap.add_argument("--json", metavar="FILE", default=None,
+                    help="also write the results to FILE as JSON (default: no file)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="print each case's row as it finishes instead of a progress bar and "
+                         "the table at the end")
+    return ap
+
+
 def main(argv=None):
     """Command line; returns 1 when a case fails, 0 otherwise."""
-    ap = argparse.ArgumentParser(prog="python -m gdn_ext conformance", description=conformance.__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("target", help="MODULE:FUNCTION, e.g. gdn_ext.torch:chunk_gated_delta_rule")
-    ap.add_argument("--convention", choices=["fla", "transformers", "gdn_ext"], default="fla")
-    ap.add_argument("--dtype", choices=sorted(TOLERANCES), default="float32",
-                    help="the dtype of the target's inputs (default float32)")
-    ap.add_argument("--device", default="cpu", help="the target's device (default cpu)")
-    ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    ap.add_argument("--no-progress", action="store_true")
+    ap = build_parser()
     a = ap.parse_args(argv)
     try:
         fn = _load(a.target)

@@ -2,26 +2,34 @@
 
 Runs the gated delta rule on random inputs, checks it against the NumPy reference loop, and
 prints how long the C forward and backward took."""
-import argparse
 import time
 
 import numpy as np
 
 import gdn_ext
 from gdn_ext import reference
+from . import _cli
 from ._cli import non_negative_int, positive_int
 
 
+def build_parser():
+    """The argparse parser of ``python -m gdn_ext demo``."""
+    ap = _cli.parser("python -m gdn_ext demo", __doc__)
+    ap.add_argument("--batch", type=positive_int, default=2, help="B, sequences")
+    ap.add_argument("--seq-len", type=positive_int, default=2048, help="T, tokens")
+    ap.add_argument("--heads", type=positive_int, default=4, help="H, heads")
+    ap.add_argument("--head-dim", type=positive_int, default=64, help="Dk = Dv, the head size")
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                    help="the dtype of the inputs and of the computation")
+    ap.add_argument("--threads", type=positive_int, default=None,
+                    help="OpenMP threads (default: OpenMP's default thread count)")
+    ap.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random inputs")
+    return ap
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m gdn_ext demo", description=__doc__)
-    ap.add_argument("--batch", type=positive_int, default=2, help="B, sequences (default 2)")
-    ap.add_argument("--seq-len", type=positive_int, default=2048, help="T, tokens (default 2048)")
-    ap.add_argument("--heads", type=positive_int, default=4, help="H (default 4)")
-    ap.add_argument("--head-dim", type=positive_int, default=64, help="Dk = Dv (default 64)")
-    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    ap.add_argument("--threads", type=positive_int, default=None, help="OpenMP threads (default: OpenMP's)")
-    ap.add_argument("--seed", type=non_negative_int, default=0)
-    a = ap.parse_args(argv)
+    """Command line of ``python -m gdn_ext demo``; returns 0."""
+    a = build_parser().parse_args(argv)
 
     rng = np.random.default_rng(a.seed)
     B, T, H, D = a.batch, a.seq_len, a.heads, a.head_dim

@@ -6,13 +6,13 @@ batch is never in memory), runs ``gdn_ext.dask.gated_delta_rule`` lazily over th
 outputs o and S_T back to the store with dask's progress bar, and checks one chunk against a
 plain NumPy call. Needs ``pip install "gdn_ext[dask]" zarr``.
 """
-import argparse
 import os
 import tempfile
 import time
 
 import numpy as np
 
+from . import _cli
 from ._cli import positive_int
 
 
@@ -65,20 +65,30 @@ def run(store, B, T, H, D, chunk, threads, workers, dtype="float32"):
     return seconds, diff
 
 
+def build_parser():
+    """The argparse parser of ``python -m gdn_ext ondisk``."""
+    ap = _cli.parser("python -m gdn_ext ondisk", __doc__)
+    ap.add_argument("--store", metavar="DIR", default=None,
+                    help="zarr directory, kept afterwards (default: a temporary one, deleted at "
+                         "the end)")
+    ap.add_argument("--batch", type=positive_int, default=64, help="B, sequences")
+    ap.add_argument("--seq-len", type=positive_int, default=512, help="T, tokens")
+    ap.add_argument("--heads", type=positive_int, default=4, help="H, heads")
+    ap.add_argument("--head-dim", type=positive_int, default=64, help="Dk = Dv, the head size")
+    ap.add_argument("--chunk", type=positive_int, default=8,
+                    help="sequences per chunk (at most --batch)")
+    ap.add_argument("--threads", type=positive_int, default=1, help="kernel threads per dask task")
+    ap.add_argument("--workers", type=positive_int, default=None,
+                    help="dask threads (default: the number of CPUs, os.cpu_count())")
+    return ap
+
+
 def main(argv=None):
     """Command line; returns 0 when the checked chunk equals the NumPy call."""
-    ap = argparse.ArgumentParser(prog="python -m gdn_ext ondisk", description=__doc__)
-    ap.add_argument("--store", default=None, help="zarr directory (default: a temporary one)")
-    ap.add_argument("--batch", type=positive_int, default=64, help="B, sequences (default 64)")
-    ap.add_argument("--seq-len", type=positive_int, default=512, help="T (default 512)")
-    ap.add_argument("--heads", type=positive_int, default=4, help="H (default 4)")
-    ap.add_argument("--head-dim", type=positive_int, default=64, help="Dk = Dv (default 64)")
-    ap.add_argument("--chunk", type=positive_int, default=8, help="sequences per chunk (default 8)")
-    ap.add_argument("--threads", type=positive_int, default=1,
-                    help="kernel threads per task (default 1)")
-    ap.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
-                    help="dask threads (default: the CPUs)")
+    ap = build_parser()
     a = ap.parse_args(argv)
+    if a.workers is None:
+        a.workers = os.cpu_count() or 1
     try:
         import dask  # noqa: F401
         import zarr  # noqa: F401

@@ -5,7 +5,6 @@ Trains on the Python documentation that ships with the standard library (``pydoc
 reports the validation loss against the unigram baseline, and prints a sample generated token by
 token with the recurrent step API. Forward and backward run in gdn_ext; Adam runs in NumPy.
 """
-import argparse
 import math
 import sys
 import time
@@ -14,9 +13,10 @@ import numpy as np
 
 from ..layer import RULES
 from .lm import Adam, CharLM, CharVocab, load_text, unigram_baseline
-from ._cli import positive_float, positive_int
+from . import _cli
+from ._cli import non_negative_int, positive_float, positive_int
 
-__all__ = ["train", "main"]
+__all__ = ["train", "build_parser", "main"]
 
 
 def _windows(ids, starts, T):
@@ -125,37 +125,41 @@ def plot(histories, baseline, path):
     plt.close(fig)
 
 
+def build_parser():
+    """The argparse parser of ``python -m gdn_ext [train]``."""
+    ap = _cli.parser("python -m gdn_ext [train]", __doc__,
+                     epilog="The main job is the default command; all of them:\n\n"
+                            + _cli.commands_help())
+    ap.add_argument("--steps", type=positive_int, default=800, help="training steps")
+    ap.add_argument("--d-model", type=positive_int, default=128, help="model width D")
+    ap.add_argument("--layers", type=positive_int, default=3, help="Gated DeltaNet layers")
+    ap.add_argument("--heads", type=positive_int, default=4, help="heads per layer")
+    ap.add_argument("--head-dim", type=positive_int, default=32, help="Dk = Dv per head")
+    ap.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
+    ap.add_argument("--seq-len", type=positive_int, default=128, help="characters per sequence")
+    ap.add_argument("--lr", type=positive_float, default=3e-3, help="peak Adam learning rate")
+    ap.add_argument("--seed", type=non_negative_int, default=0,
+                    help="seed of the weights, the batches and the sample")
+    ap.add_argument("--threads", type=positive_int, default=None,
+                    help="OpenMP threads of the recurrence (default: OpenMP's default thread "
+                         "count)")
+    ap.add_argument("--text", metavar="FILE", default=None,
+                    help="train on this UTF-8 text file (default: the Python documentation that "
+                         "ships with the standard library)")
+    ap.add_argument("--plot", metavar="FILE.png", default=None,
+                    help="save the loss curves to FILE.png (needs matplotlib; default: no plot)")
+    ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    ap.add_argument("--rule", nargs="+", choices=list(RULES) + ["all"], default=["gated_delta"],
+                    help="the token mixer's rule: linear attention, DeltaNet, gated linear "
+                         "attention or Gated DeltaNet; several (or 'all') train one model each, "
+                         "same weights' shapes, seed and steps, and compare them")
+    return ap
+
+
 def main(argv=None):
     """Command line of the main job (see the module docstring); returns the exit status:
     0 when the model ends below the unigram baseline, 1 otherwise."""
-    ap = argparse.ArgumentParser(
-        prog="python -m gdn_ext [train]", description=__doc__,
-        epilog="Other commands: 'python -m gdn_ext check' (gradient check of the layer), "
-               "'python -m gdn_ext demo' (forward/backward timing on random inputs).")
-    ap.add_argument("--steps", type=positive_int, default=800, help="training steps (default 800)")
-    ap.add_argument("--d-model", type=positive_int, default=128, help="model width D (default 128)")
-    ap.add_argument("--layers", type=positive_int, default=3, help="Gated DeltaNet layers (default 3)")
-    ap.add_argument("--heads", type=positive_int, default=4, help="heads per layer (default 4)")
-    ap.add_argument("--head-dim", type=positive_int, default=32, help="Dk = Dv per head (default 32)")
-    ap.add_argument("--batch", type=positive_int, default=16, help="sequences per step (default 16)")
-    ap.add_argument("--seq-len", type=positive_int, default=128,
-                    help="characters per sequence (default 128)")
-    ap.add_argument("--lr", type=positive_float, default=3e-3,
-                    help="peak Adam learning rate (default 3e-3)")
-    ap.add_argument("--seed", type=int, default=0,
-                    help="seed of the weights, the batches and the sample (default 0)")
-    ap.add_argument("--threads", type=positive_int, default=None,
-                    help="OpenMP threads of the recurrence (default: OpenMP's)")
-    ap.add_argument("--text", metavar="FILE", default=None,
-                    help="train on this UTF-8 text file instead of the bundled Python docs")
-    ap.add_argument("--plot", metavar="FILE.png", default=None,
-                    help="save the loss curves (needs matplotlib)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--rule", nargs="+", choices=list(RULES) + ["all"], default=["gated_delta"],
-                    help="the token mixer's rule (default gated_delta): linear attention, "
-                         "DeltaNet, gated linear attention or Gated DeltaNet; several (or 'all') "
-                         "train one model each, same weights' shapes, seed and steps, and "
-                         "compare them")
+    ap = build_parser()
     a = ap.parse_args(argv)
     rules = list(RULES) if "all" in a.rule else list(dict.fromkeys(a.rule))
     if a.plot:  # fail now, not after training
