@@ -16,12 +16,20 @@ __all__ = []
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+def torch_tensor_message(name):
+    """The NumPy and dask front ends' refusal of a torch tensor: which function takes it."""
+    return (f"{name} is a torch tensor: gdn_ext.torch.gated_delta_rule takes tensors (and "
+            f"differentiates them); for this NumPy function pass {name}.detach().numpy()")
+
+
 def as_real_array(x, name):
     """``x`` as an ndarray of a real dtype (bool, int, float); TypeError otherwise."""
     if type(x) is np.ndarray and x.dtype in _FLOATS:   # the common case, without the checks below
         return x
     if x is None:
         raise TypeError(f"{name} is required (got None)")
+    if type(x).__module__.split(".")[0] == "torch":
+        raise TypeError(torch_tensor_message(name))
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(f"{name} is a masked array, whose mask the kernels would ignore; pass "
                         f"{name}.filled(value) or a plain ndarray")

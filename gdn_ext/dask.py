@@ -35,7 +35,7 @@ except ImportError as _exc:  # pragma: no cover - exercised without dask
                       ) from _exc
 
 from ._problem import _Problem
-from ._checks import (caller_location, compute_dtype, flag, head_first_message, real_scalar,
+from ._checks import (as_real_array, caller_location, compute_dtype, flag, head_first_message, real_scalar,
                       value_messages, warn)
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, GatedDeltaRuleOutput
 from ._threads import thread_count
@@ -67,10 +67,7 @@ def _operand(x, name):
     if x is None:
         raise TypeError(f"{name} is required (got None)")
     if not isinstance(x, da.Array):
-        if type(x).__module__.split(".")[0] == "torch":
-            raise TypeError(f"{name} is a torch tensor: pass a NumPy or dask array "
-                            f"({name}.detach().numpy())")
-        x = np.asarray(x)
+        x = as_real_array(x, name)
     if x.dtype.kind not in "biuf" or not np.can_cast(x.dtype, np.float64, "safe"):
         raise TypeError(f"{name} must have a real dtype that casts safely to float64; got "
                         f"{x.dtype}")

@@ -193,3 +193,28 @@ def test_api_tour_runs():
     if not tour.exists():
         pytest.skip("examples/ is not shipped with the package")
     runpy.run_path(str(tour), run_name="__main__")
+
+
+@pytest.mark.parametrize("front", ["forward", "backward", "step", "dask"])
+def test_torch_tensors_are_refused_with_the_function_that_takes_them(front):
+    """The NumPy and dask front ends refuse a torch tensor the same way, naming the argument
+    and gdn_ext.torch (a tensor used to come back silently as an ndarray, without its
+    gradient)."""
+    torch = pytest.importorskip("torch")
+    q, k, v = _qkv(np.float64)
+    tq = torch.from_numpy(q)
+    with pytest.raises(TypeError) as info:
+        if front == "forward":
+            gdn_ext.gated_delta_rule(tq, k, v, beta=0.5, alpha=0.9)
+        elif front == "backward":
+            gdn_ext.gated_delta_rule_backward(np.ones((B, T, HV, Dv)), tq, k, v, beta=0.5,
+                                              alpha=0.9)
+        elif front == "step":
+            gdn_ext.gated_delta_rule_step(tq[:, 0], k[:, 0], v[:, 0], beta=0.5, alpha=0.9)
+        else:
+            pytest.importorskip("dask.array")
+            import gdn_ext.dask as gd
+            gd.gated_delta_rule(tq, k, v, beta=0.5, alpha=0.9)
+    msg = str(info.value)
+    name = "q_t" if front == "step" else "q"
+    assert msg.startswith(f"{name} is a torch tensor") and "gdn_ext.torch.gated_delta_rule" in msg
