@@ -70,6 +70,7 @@ def per_head(x, name: str, dtype: torch.dtype, device, B, T, HV, Dk=None, single
         x = torch.tensor(float(x), dtype=dtype, device=device)
     else:
         x = x.to(dtype)
+    given = list(x.shape)
     shape = (B, T) if single else (B, T, HV)
     if single and Dk is None and x.dim() == 3 and x.shape[-1] == 1:
         x = x.squeeze(-1)          # the single-head form's beta [B, T, 1] (H = 1), as NumPy's
@@ -88,7 +89,7 @@ def per_head(x, name: str, dtype: torch.dtype, device, B, T, HV, Dk=None, single
         key_lay = "[B, T, Dk]" if single else f"[B, T, {heads}, Dk]"
         msg += (f" (one gate per head) or, with one more axis, to {key_lay} = "
                 f"{list(shape + (Dk,))} (one per key channel)")
-    raise ValueError(f"{msg}; got shape {list(x.shape)}")
+    raise ValueError(f"{msg}; got shape {given}")
 
 
 def check_tensor(t, name, device=True):

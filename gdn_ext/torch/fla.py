@@ -184,8 +184,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         head hv // (HV / H)).
       g: [B, T, HV], log decay (<= 0); with ``use_gate_in_kernel=True`` the raw gate input, and
         the log decay is ``-exp(A_log) * softplus(g + dt_bias)`` (A_log, dt_bias [HV]).
-      beta: [B, T, HV] (not per value channel); a logit with ``use_beta_sigmoid_in_kernel=True`` (beta = sigmoid(beta),
-        or 2 * sigmoid(beta) with ``allow_neg_eigval=True``, which requires it).
+      beta: [B, T, HV] (not per value channel); a logit with
+        ``use_beta_sigmoid_in_kernel=True`` (beta = sigmoid(beta), or 2 * sigmoid(beta) with
+        ``allow_neg_eigval=True``, which requires it).
       scale: default K ** -0.5.
       initial_state: [N, HV, K, V] (``state_v_first=True`` or its deprecated name
         ``transpose_state_layout=True``: [N, HV, V, K]); N = B, or the number of packed sequences.
