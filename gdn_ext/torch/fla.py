@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .._checks import flag
 from .._problem import packed_sequences
+from ._inputs import check_float, compute_dtype, input_dtype
 from .function import cu_tensor, gated_delta_rule, warn_unusual
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -31,13 +32,13 @@ def _shape(t):
 
 
 def _tensor(t, name):
-    """A CPU floating tensor, else TypeError / ValueError naming it."""
+    """A CPU tensor of float16, bfloat16, float32 or float64, else TypeError / ValueError
+    naming it."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}: gdn_ext runs on the CPU; move it with .cpu()")
-    if not t.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating-point tensor; got {t.dtype}")
+    check_float(t, name)
     return t
 
 
@@ -83,8 +84,14 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
         _expect(initial_state, "initial_state",
                 (N, HV, V, K) if state_v_first else (N, HV, K, V), state_lay)
 
-    out_dtype = v.dtype                  # as flash-linear-attention: o like v
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32   # half types in float32
+    # the dtype rule of every gdn_ext.torch entry point (gdn_ext.torch._inputs): o in the
+    # dtype of q, k, v; computed (and the final state returned) in float32, float64 when any
+    # tensor argument is float64
+    out_dtype = input_dtype(q, k, v)
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t is not None:
+            _tensor(t, name)
+    dt = compute_dtype([q, k, v, g, gk, beta, initial_state, A_log, dt_bias])
     # the gate: log decay, from the raw input when the kernel computes it (Mamba2 / Qwen3-Next)
     if use_gate_in_kernel:
         if A_log is None:
@@ -102,10 +109,11 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
         if not ungated_ok:
             raise ValueError("give the log decay g [B, T, HV] (or gk [B, T, HV, K] per key "
                              "channel)")
-        g = v.new_zeros((B, T, HV))      # fused recurrent without a gate: alpha = 1
+        g = v.new_zeros((B, T, HV), dtype=dt)    # fused recurrent without a gate: alpha = 1
+    g, gk = (None if x is None else x.to(dt) for x in (g, gk))   # added in dt, not in half
     log_decay = gk if g is None else (g if gk is None else g[..., None] + gk)
     if beta is None:                     # the fused recurrent kernel's default: beta = 1
-        beta = v.new_ones((B, T, HV))
+        beta = v.new_ones((B, T, HV), dtype=dt)
     if use_beta_sigmoid_in_kernel:       # beta given as a logit
         beta = (2 if allow_neg_eigval else 1) * torch.sigmoid(beta.to(dt))
 
@@ -176,8 +184,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         head hv // (HV / H)).
       g: [B, T, HV], log decay (<= 0); with ``use_gate_in_kernel=True`` the raw gate input, and
         the log decay is ``-exp(A_log) * softplus(g + dt_bias)`` (A_log, dt_bias [HV]).
-      beta: [B, T, HV] (not per value channel); a logit with ``use_beta_sigmoid_in_kernel=True`` (beta = sigmoid(beta),
-        or 2 * sigmoid(beta) with ``allow_neg_eigval=True``, which requires it).
+      beta: [B, T, HV] (not per value channel); a logit with
+        ``use_beta_sigmoid_in_kernel=True`` (beta = sigmoid(beta), or 2 * sigmoid(beta) with
+        ``allow_neg_eigval=True``, which requires it).
       scale: default K ** -0.5.
       initial_state: [N, HV, K, V] (``state_v_first=True`` or its deprecated name
         ``transpose_state_layout=True``: [N, HV, V, K]); N = B, or the number of packed sequences.
@@ -196,12 +205,20 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         along k; q with 1 < T < H (head-first [B, H, T, K] tensors?), as fla's own check.
         Skipped while torch.compile traces.
 
-    Returns (o [B, T, HV, V] in v's dtype, final_state or None, contiguous). Computed by gdn_ext's C kernels
-    in float64 for float64 inputs, else float32 (bfloat16 / float16 inputs: o is cast back to
-    their dtype, the final state stays float32, as transformers' fallbacks do); gradients
-    through autograd to every tensor argument, A_log and dt_bias included. Raises ValueError /
-    TypeError naming the argument, in flash-linear-attention's layouts (CUDA tensors included);
-    TypeError for a keyword it does not know.
+    Dtypes, as flash-linear-attention's: tensors float16, bfloat16, float32 or float64; q, k
+      and v share one dtype, and o is returned in it. Computed by gdn_ext's C kernels in
+      float32, or float64 when any tensor argument is float64: half-precision tensors are cast
+      to float32 in torch, so gradients come back in each tensor's own dtype. g, beta,
+      initial_state, A_log and dt_bias may have any of the four dtypes (e.g. a float32 g with
+      bfloat16 q, k, v, as Qwen3-Next computes it). The final state is returned in the
+      computation's dtype (float32 for half inputs, as flash-linear-attention and transformers'
+      fallbacks return it).
+
+    Returns a plain tuple (o [B, T, HV, V], final_state or None, contiguous), as
+    flash-linear-attention does; gradients through autograd to every tensor argument, A_log
+    and dt_bias included. Raises ValueError / TypeError naming the argument, in
+    flash-linear-attention's layouts (CUDA tensors included); TypeError for another dtype, for
+    q, k, v of different dtypes, and for a keyword it does not know.
     """
     if head_first:
         raise ValueError("head_first=True is not supported (removed upstream): pass "
@@ -244,7 +261,8 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     Arguments as :func:`chunk_gated_delta_rule`, and: g and gk both optional (neither: the
     ungated delta rule, alpha = 1); gk [B, T, HV, K] per-key-channel log decay (alone or added to
     g); beta defaults to 1; gv (per-value-channel decay) is not supported (TypeError unless
-    None). The same C kernels serve both drop-ins: they run the recurrence token by token.
+    None). Dtypes and the result as :func:`chunk_gated_delta_rule`. The same C kernels serve
+    both drop-ins: they run the recurrence token by token.
     """
     if gv is not None:
         raise TypeError("gv (a per-value-channel decay) is not supported")

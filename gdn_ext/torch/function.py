@@ -24,9 +24,10 @@ from .._threads import thread_count
 from ..recurrence import checkpoint_count
 from ..recurrence import gated_delta_rule as _np_forward
 from ..recurrence import gated_delta_rule_backward as _np_backward
+from ._inputs import GatedDeltaRuleOutput, check_ranks, prepare
 from .loop import reference_gated_delta_rule
 
-__all__ = ["gated_delta_rule"]
+__all__ = ["gated_delta_rule", "GatedDeltaRuleOutput"]
 
 
 def _numpy(t: Optional[torch.Tensor]):
@@ -178,44 +179,6 @@ def _differentiable_backward(ctx, inputs, do, dS_T, scale, gate_is_log, normaliz
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_tensor(t, name):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor; got layout {t.layout}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}: gdn_ext runs on the CPU; move it with .cpu()")
-    if t.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"{name} must be float32 or float64; got {t.dtype}")
-
-
-def _check_ranks(q, k, v, beta, gate, gate_name, initial_state, cu_seqlens):
-    """Ranks only (gdn_ext.gated_delta_rule, which the operators call, checks every size and
-    value): what the fake implementations need to run under torch.compile before it does."""
-    if q.dim() not in (3, 4):
-        raise ValueError(f"q must have shape [B, T, H, Dk] (or [B, T, Dk], the single-head form); "
-                         f"got {list(q.shape)}")
-    single = q.dim() == 3
-    want = "[B, T, Dv]" if single else "[B, T, HV, Dv]"
-    if k.dim() != q.dim():
-        raise ValueError(f"k must have the shape of q {list(q.shape)}; got {list(k.shape)}")
-    if v.dim() != q.dim():
-        raise ValueError(f"v must have shape {want}; got {list(v.shape)}")
-    if beta.dim() not in ((2, 3) if single else (3,)):
-        raise ValueError(f"beta must have shape {'[B, T]' if single else '[B, T, HV]'}; got "
-                         f"{list(beta.shape)}")
-    if gate.dim() not in ((2, 3) if single else (3, 4)):
-        lay = "[B, T] or [B, T, Dk]" if single else "[B, T, HV] or [B, T, HV, Dk]"
-        raise ValueError(f"{gate_name} must have shape {lay}; got {list(gate.shape)}")
-    if initial_state is not None and initial_state.dim() != q.dim():
-        raise ValueError(f"initial_state must have shape "
-                         f"{'[B, Dv, Dk]' if single else '[B, HV, Dv, Dk]'}; got "
-                         f"{list(initial_state.shape)}")
-    if cu_seqlens is not None and cu_seqlens.dim() != 1:
-        raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got "
-                         f"{list(cu_seqlens.shape)}")
-
-
 def _plain(t) -> bool:
     """A dense CPU tensor whose values Python can read now (not a fake / functional tensor of a
     trace): others skip the value checks and meet the kernels' own errors."""
@@ -245,43 +208,65 @@ def warn_unusual(q, k, beta, gate, *, log_gate, delta_rule, normalize_qk, gate_n
         warn(m)
 
 
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: torch.Tensor,
-                     alpha: Optional[torch.Tensor] = None, g: Optional[torch.Tensor] = None,
+Gate = Union[torch.Tensor, float]
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: Gate,
+                     alpha: Optional[Gate] = None, g: Optional[Gate] = None,
                      initial_state: Optional[torch.Tensor] = None, scale: float = 1.0,
                      output_final_state: bool = True, normalize_qk: bool = False,
                      cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
                      num_threads: Optional[int] = None, delta_rule: bool = True,
                      check_values: bool = True,
-                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     ) -> GatedDeltaRuleOutput:
     """:func:`gdn_ext.gated_delta_rule` on torch tensors, differentiable (autograd).
 
-    Tensors: CPU, float32 or float64 (all the same dtype), any strides, storage offsets and
-    conj / negative bits, ``requires_grad`` on any subset. Shapes and conventions are gdn_ext's:
-    q, k [B, T, H, Dk]; v [B, T, HV, Dv]; beta [B, T, HV]; alpha or g [B, T, HV] or
-    [B, T, HV, Dk]; initial_state [B, HV, Dv, Dk] (packed: [N, HV, Dv, Dk]); the single-head
-    form; ``scale`` default 1; ``normalize_qk``; ``cu_seqlens`` (a tensor or sequence of ints,
-    with B = 1); ``delta_rule=False`` for linear attention's write u_t = beta_t v_t (the rule
-    family, as :func:`gdn_ext.gated_delta_rule`).
+    Tensors: dense, on the CPU, any strides, storage offsets and conj / negative bits,
+    ``requires_grad`` on any subset. Shapes and conventions are gdn_ext's: q, k [B, T, H, Dk];
+    v [B, T, HV, Dv]; initial_state [B, HV, Dv, Dk] (packed: [N, HV, Dv, Dk]); the single-head
+    form (q, k [B, T, Dk], v [B, T, Dv], state [B, Dv, Dk]); ``scale`` default 1;
+    ``normalize_qk``; ``cu_seqlens`` (a tensor or sequence of ints, with B = 1);
+    ``delta_rule=False`` for linear attention's write u_t = beta_t v_t (the rule family, as
+    :func:`gdn_ext.gated_delta_rule`).
+
+    beta and the gate (exactly one of alpha, the decay in [0, 1], and g, the log decay): a
+    Python number or a tensor that broadcasts (NumPy's rules, aligned at the right) to the
+    per-head shape [B, T, HV] (single-head form: [B, T]), e.g. ``beta=0.5``, ``alpha=1.0``
+    (DeltaNet), a tensor [HV] (one per head) or [B, 1, HV]. A gate with one more dimension,
+    broadcasting to [B, T, HV, Dk] ([B, T, Dk]), is one decay per key channel. Gradients come
+    back in the shape each tensor was given in (summed over the broadcast axes).
+
+    Dtypes, as flash-linear-attention's functions take them: tensors float16, bfloat16,
+    float32 or float64; q, k and v share one dtype, and o is returned in it. The recurrence
+    runs in float32, or in float64 when any tensor argument is float64: half-precision tensors
+    are cast to float32 in torch before gdn_ext's kernels, so their gradients come back in
+    their own dtype. beta, the gate and initial_state may have any of the four dtypes; a
+    Python number takes the computation's dtype and does not change it. The final state is
+    returned in the computation's dtype (float32 for float16 / bfloat16 inputs, as
+    flash-linear-attention and transformers return it), ready to pass back as initial_state.
 
     ``check_values`` (default True): the warnings of :func:`gdn_ext.gated_delta_rule` (a
     UserWarning at the caller's line for alpha outside [0, 1], g above 0, with the delta rule
     beta outside [0, 2] or, keys not normalised, beta ||k||^2 above 2 where a step can grow the
     state, and q with 1 < T < H, perhaps head-first), read from the tensors' values before the
-    kernels run (a min / max pass over beta, the gate and k, no copies); False turns them off.
-    While ``torch.compile`` traces the function they are skipped (values are unknown then).
+    kernels run (a min / max pass over beta, the gate and k); False turns them off. While
+    ``torch.compile`` traces the function they are skipped (values are unknown then).
 
-    Returns (o, S_T): o [B, T, HV, Dv], S_T shaped as the state (None when output_final_state is
-    False). Gradients reach every tensor input through gdn_ext's C backward pass over time;
-    second derivatives (``create_graph=True``, ``gradgradcheck``) go through the torch reference
-    loop instead (correct, slow). Runs as the custom operators ``torch.ops.gdn_ext.*``, so
-    ``torch.compile(fullgraph=True)`` traces it; ``torch.func`` transforms (vmap) do not apply.
+    Returns :class:`GatedDeltaRuleOutput` ``(o, S_T)``, a named tuple (unpacks as
+    ``o, S_T = ...``): o [B, T, HV, Dv]; S_T shaped as the state (None when
+    output_final_state is False). Gradients reach every tensor input through gdn_ext's C
+    backward pass over time; second derivatives (``create_graph=True``, ``gradgradcheck``) go
+    through the torch reference loop instead (correct, slow). Runs as the custom operators
+    ``torch.ops.gdn_ext.*``, so ``torch.compile(fullgraph=True)`` traces it; ``torch.func``
+    transforms (vmap) do not apply. Under ``torch.compile`` the forward keeps no checkpoints
+    for the backward (their number depends on T, which would be fixed in the graph): the
+    backward reruns the forward recurrence once, and T stays dynamic.
 
-    Raises: ValueError for a tensor not on the CPU and for the shape errors of
-    :func:`gdn_ext.gated_delta_rule` (in its names); TypeError for another dtype, a non-tensor or
-    sparse input, mixed dtypes, a num_threads that is not a positive int, a flag that is not a
-    bool. Under ``torch.compile`` the forward keeps no checkpoints for the backward (their
-    number depends on T, which would be fixed in the graph): the backward reruns the forward
-    recurrence once, and T stays dynamic.
+    Raises: ValueError for a tensor not on the CPU, a beta or gate that does not broadcast
+    (naming it and the shape expected) and the shape errors of :func:`gdn_ext.gated_delta_rule`
+    (in its names); TypeError for another dtype (integer, complex, float8), q, k, v of
+    different dtypes, a non-tensor or sparse input (beta and the gate: neither a tensor nor a
+    real number), a num_threads that is not a positive int, a flag that is not a bool.
 
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025 (arXiv:2412.06464), sec. 3.
     """
@@ -289,17 +274,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
         raise ValueError("give exactly one of alpha (decay in [0, 1]) and g (log decay); got "
                          + ("both" if alpha is not None else "neither"))
     gate_name, gate = ("alpha", alpha) if alpha is not None else ("g", g)
-    tensors = {"q": q, "k": k, "v": v, "beta": beta, gate_name: gate}
-    if initial_state is not None:
-        tensors["initial_state"] = initial_state
-    for name, t in tensors.items():
-        _check_tensor(t, name)
-    dtypes = {t.dtype for t in tensors.values()}
-    if len(dtypes) > 1:
-        raise TypeError("q, k, v, beta, the gate and initial_state must share one dtype; got "
-                        + ", ".join(f"{n} {t.dtype}" for n, t in tensors.items()))
+    given = [t for t in (q, k, v, beta, gate, initial_state) if isinstance(t, torch.Tensor)]
+    q, k, v, beta, gate, initial_state, out_dtype = prepare(q, k, v, beta, gate, gate_name,
+                                                            initial_state)
     cu_seqlens = cu_tensor(cu_seqlens)
-    _check_ranks(q, k, v, beta, gate, gate_name, initial_state, cu_seqlens)
+    check_ranks(q, k, v, initial_state, cu_seqlens)
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a real number; got {type(scale).__name__}")
     # None stays None: resolved when the kernel runs (gdn_ext.threads(n) of that thread, else
@@ -313,9 +292,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
                      normalize_qk=normalize_qk)
     # Under torch.compile the checkpoints are not handed over: their count is a function of T
     # (about sqrt(T)) that would fix T in the graph; the backward then makes its own.
-    keep = (torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
+    keep = (torch.is_grad_enabled() and any(t.requires_grad for t in given)
             and not torch.compiler.is_compiling())
     o, S_T, _ = torch.ops.gdn_ext.gated_delta_rule_fwd(
         q, k, v, beta, gate, initial_state, float(scale), gate_name == "g", normalize_qk,
         cu_seqlens, keep, threads, delta_rule)
-    return o, (S_T if output_final_state else None)
+    return GatedDeltaRuleOutput(o.to(out_dtype), S_T if output_final_state else None)

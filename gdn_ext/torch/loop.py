@@ -1,28 +1,35 @@
 """The design note's loop in plain torch ops: the autograd baseline gdn_ext's Function is checked
-against (any dtype, any device, differentiable to any order)."""
+against (any device, differentiable to any order)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from .._constants import L2_EPS
+from ._inputs import GatedDeltaRuleOutput, prepare
 
 __all__ = ["reference_gated_delta_rule"]
 
 
 def reference_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                               beta: torch.Tensor, alpha: Optional[torch.Tensor] = None,
-                               g: Optional[torch.Tensor] = None,
+                               beta: Union[torch.Tensor, float],
+                               alpha: Union[torch.Tensor, float, None] = None,
+                               g: Union[torch.Tensor, float, None] = None,
                                initial_state: Optional[torch.Tensor] = None, scale: float = 1.0,
                                output_final_state: bool = True, normalize_qk: bool = False,
                                cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
                                delta_rule: bool = True,
-                               ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                               ) -> GatedDeltaRuleOutput:
     """The design note's loop in plain torch ops, one token at a time: the autograd baseline.
 
-    Same arguments, shapes and conventions as :func:`gated_delta_rule` (gdn_ext's), any float
-    dtype and device; autograd differentiates it (to any order). Slow by design: O(T) small ops.
+    Same arguments, shapes, broadcasting of beta and the gate, dtype rule and result as
+    :func:`gdn_ext.torch.gated_delta_rule` (gdn_ext's conventions): float16 / bfloat16 tensors
+    are computed in float32 (float64 when any tensor argument is float64), o comes back in the
+    dtype of q, k and v, the final state in the computation's dtype. Tensors on any device;
+    autograd differentiates it (to any order). Slow by design: O(T) small ops. Raises
+    TypeError / ValueError for dtypes and for beta or a gate that does not broadcast, as
+    gated_delta_rule; other shapes are not checked.
     """
     def batch_matvec(S, x):                      # S [..., Dv, Dk], x [..., Dk] -> [..., Dv]
         return torch.einsum("...vk,...k->...v", S, x)
@@ -36,18 +43,21 @@ def reference_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     def l2norm(x):
         return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
+    if (alpha is None) == (g is None):
+        raise ValueError("give exactly one of alpha (decay in [0, 1]) and g (log decay); got "
+                         + ("both" if alpha is not None else "neither"))
+    gate_name, gate = ("alpha", alpha) if alpha is not None else ("g", g)
+    q, k, v, beta, gate, initial_state, out_dtype = prepare(q, k, v, beta, gate, gate_name,
+                                                            initial_state, cpu=False)
     single = q.dim() == 3
     if single:   # the single-head form is H = HV = 1
-        per_key_single = (alpha if g is None else g).dim() == 3 and q.shape[-1] != 1 and \
-            (alpha if g is None else g).shape[-1] == q.shape[-1]
         q, k, v = q[:, :, None], k[:, :, None], v[:, :, None]
-        beta = beta.reshape(q.shape[:2] + (1,))
-        gate_in = alpha if g is None else g
-        gate_in = gate_in[:, :, None] if per_key_single else gate_in.reshape(q.shape[:2] + (1,))
-        alpha, g = (gate_in, None) if g is None else (None, gate_in)
+        beta = beta[:, :, None]
+        gate = gate[:, :, None]       # [B, T, 1] or, per key, [B, T, 1, Dk]
         if initial_state is not None:
             initial_state = initial_state[:, None]
-    gate = alpha if g is None else torch.exp(g)
+    if gate_name == "g":
+        gate = torch.exp(gate)
     if normalize_qk:
         q, k = l2norm(q), l2norm(k)
     # value heads per query/key head (grouped order; H = HV = 0: no heads, nothing to repeat)
@@ -77,4 +87,4 @@ def reference_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     S_T = finals[0] if cu_seqlens is None else torch.cat(finals, dim=0)
     if single:
         o, S_T = o[:, :, 0], S_T[:, 0]
-    return o, (S_T if output_final_state else None)
+    return GatedDeltaRuleOutput(o.to(out_dtype), S_T if output_final_state else None)

@@ -50,7 +50,7 @@ class GatedDeltaNet(nn.Module):
       conv_kernel_size: width of the causal convolution (4 in Qwen3-Next).
       rms_norm_eps: epsilon of the gated RMSNorm.
       activation: after the convolution, one of ACTIVATIONS ("silu" in Qwen3-Next and fla).
-      dtype, device: of the parameters (CPU; float32 or float64 for the kernels).
+      dtype, device: of the parameters (CPU; float16, bfloat16, float32 or float64).
 
     ``forward(x, state=None, attention_mask=None)``: x [B, T, D]; state a
     :class:`GatedDeltaNetState` from the previous call (None: zeros, the start of a sequence);
@@ -58,6 +58,14 @@ class GatedDeltaNet(nn.Module):
     convention). Returns (y [B, T, D], the new state). Feeding a sequence in pieces (prefill, then
     one token at a time) gives what one call gives, up to rounding. Gradients reach x and every
     parameter.
+
+    Dtypes: a float16 / bfloat16 layer (``.to(torch.bfloat16)``, x in that dtype) runs its
+    projections and convolution in that dtype and, as flash-linear-attention's layer, its
+    decay, its gated RMSNorm (but for the weight) and the gated delta rule in float32 (the
+    rule of :mod:`gdn_ext.torch`), as transformers' Qwen3-Next layer does; y and every gradient
+    come back in the layer's dtype. The state's
+    ``recurrent`` is float32 for such a layer (float64 for a float64 one), ``conv`` in the
+    layer's dtype.
 
     Padding is neutral: a masked token changes neither the recurrent nor the convolution state,
     wherever it sits (left, right, between real tokens; in a prefill, a continuation from a
@@ -145,8 +153,9 @@ class GatedDeltaNet(nn.Module):
                                  f"{getattr(conv, 'shape', conv)} and "
                                  f"{getattr(recurrent, 'shape', recurrent)}")
         if T == 0:   # nothing to mix: no output, the state as it was
-            if recurrent is None:
-                recurrent = x.new_zeros((B, HV, K, V))
+            if recurrent is None:   # in the dtype the recurrence runs in, as when T > 0
+                recurrent = x.new_zeros((B, HV, K, V),
+                                        dtype=torch.promote_types(x.dtype, torch.float32))
             return x.new_zeros((B, 0, self.hidden_size)), GatedDeltaNetState(conv, recurrent)
         q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], -1)
@@ -216,7 +225,9 @@ class _GatedRMSNorm(nn.Module):
 
     def forward(self, x, gate):
         dt = x.dtype
-        x = x.to(torch.promote_types(dt, torch.float32))
+        wide = torch.promote_types(dt, torch.float32)
+        x = x.to(wide)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         x = self.weight * x.to(dt)
-        return (x * F.silu(gate.to(x.dtype))).to(dt)
+        # the output gate in float32 at least, as transformers' Qwen3NextRMSNormGated
+        return (x.to(wide) * F.silu(gate.to(wide))).to(dt)
