@@ -21,8 +21,8 @@ the right layout, a split sequence (prefill, then decode) equal to one call, pac
 with lengths 0 and 1, grouped value heads, per-key decays, q/k L2 normalisation (the epsilon
 inside the root), all-zero and tiny rows, head dimensions that are not multiples of 16, a long
 sequence, half-precision inputs, and repeatable gradients. A case that needs a feature the target
-lacks (judged from its signature: ``cu_seqlens``, ``gk``, ``allow_neg_eigval``; half-precision
-inputs except for the gdn_ext convention) is skipped, and the report says so.
+lacks (judged from its signature: ``cu_seqlens``, ``gk``, ``allow_neg_eigval``) is skipped, and
+the report says so.
 
 Math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
 Rule", ICLR 2025 (arXiv:2412.06464), section 3.
@@ -143,8 +143,7 @@ def _features(fn, convention):
         feats.add("gk")
     if "allow_neg_eigval" in params or convention == "gdn_ext":
         feats.add("neg_eigval")
-    if convention != "gdn_ext":          # gdn_ext's own API takes float32 / float64 only
-        feats.add("half")
+    feats.add("half")                    # every convention takes float16 / bfloat16 tensors
     return feats
 
 
