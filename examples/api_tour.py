@@ -1,6 +1,8 @@
 """A tour of gdn_ext's public API, as a user script: it runs (tests/test_api_forms.py runs it)
 and type-checks with ``mypy --strict`` (CI), so the types the library declares are the ones a
 user's code meets."""
+import importlib.util
+
 import numpy as np
 from numpy.typing import NDArray
 
@@ -50,3 +52,28 @@ with gdn_ext.threads(1):
     o1 = gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=alpha).o
 print("checkpoints:", gdn_ext.checkpoint_count(T), "every", gdn_ext.checkpoint_interval(T),
       "steps; OpenMP:", gdn_ext.openmp_enabled(), o1.dtype)
+
+# PyTorch: the same function on tensors, differentiable; half precision runs in float32
+
+
+def torch_tour() -> None:
+    import torch
+    import gdn_ext.torch as gt
+
+    qt, kt, vt = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    o_torch, S_torch = gt.gated_delta_rule(qt, kt, vt, beta=0.5, g=torch.full((H,), -0.05),
+                                           scale=Dk ** -0.5, normalize_qk=True)
+    (dq,) = torch.autograd.grad(o_torch.square().sum() + S_torch.sum(), [qt])
+    assert dq.shape == qt.shape
+    half = gt.gated_delta_rule(qt.detach().bfloat16(), kt.detach().bfloat16(),
+                               vt.detach().bfloat16(), beta=0.5, alpha=1.0)
+    print("torch:", o_torch.dtype, half.o.dtype, half.S_T.dtype)
+    o_fla, final = gt.chunk_gated_delta_rule(qt.detach(), kt.detach(), vt.detach(),
+                                             g=torch.full((B, T, H), -0.05),
+                                             beta=torch.full((B, T, H), 0.5),
+                                             output_final_state=True)
+    assert final is not None and final.shape == (B, H, Dk, Dv) and o_fla.shape == v.shape
+
+
+if importlib.util.find_spec("torch") is not None:   # the NumPy API needs no torch
+    torch_tour()

@@ -22,11 +22,12 @@ class GatedDeltaRuleOutput(NamedTuple):
 
     o: [B, T, HV, Dv] (single-head form [B, T, Dv]) in the dtype of q, k and v.
     S_T: the final state, shaped as the state ([B, HV, Dv, Dk]; packed [N, HV, Dv, Dk]) in the
-    dtype the recurrence ran in (float32, or float64 when an input is float64), or None when
-    ``output_final_state=False``.
+    dtype the recurrence ran in (float32, or float64 when an input is float64). (With
+    ``output_final_state=False`` S_T is None, and the function's declared type says so: a tuple
+    of a tensor and None.)
     """
     o: torch.Tensor
-    S_T: Optional[torch.Tensor]
+    S_T: torch.Tensor
 
 
 GatedDeltaRuleOutput.__module__ = "gdn_ext.torch"   # its public home (repr, docs, pickle)

@@ -14,7 +14,7 @@ with Delta Rule", ICLR 2025 (arXiv:2412.06464), sec. 3.
 from __future__ import annotations
 
 import numbers
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Literal, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 import torch
@@ -211,6 +211,25 @@ def warn_unusual(q, k, beta, gate, *, log_gate, delta_rule, normalize_qk, gate_n
 Gate = Union[torch.Tensor, float]
 
 
+# The overloads tell a type checker that S_T is a tensor unless output_final_state=False.
+@overload
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: Gate,
+                     alpha: Optional[Gate] = None, g: Optional[Gate] = None,
+                     initial_state: Optional[torch.Tensor] = None, scale: float = 1.0,
+                     output_final_state: Literal[True] = True, normalize_qk: bool = False,
+                     cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
+                     num_threads: Optional[int] = None, delta_rule: bool = True,
+                     check_values: bool = True) -> GatedDeltaRuleOutput: ...
+@overload  # noqa: E302
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: Gate,
+                     alpha: Optional[Gate] = None, g: Optional[Gate] = None,
+                     initial_state: Optional[torch.Tensor] = None, scale: float = 1.0,
+                     output_final_state: bool = True, normalize_qk: bool = False,
+                     cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
+                     num_threads: Optional[int] = None, delta_rule: bool = True,
+                     check_values: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: Gate,
                      alpha: Optional[Gate] = None, g: Optional[Gate] = None,
                      initial_state: Optional[torch.Tensor] = None, scale: float = 1.0,
@@ -218,7 +237,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
                      cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
                      num_threads: Optional[int] = None, delta_rule: bool = True,
                      check_values: bool = True,
-                     ) -> GatedDeltaRuleOutput:
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`gdn_ext.gated_delta_rule` on torch tensors, differentiable (autograd).
 
     Tensors: dense, on the CPU, any strides, storage offsets and conj / negative bits,
