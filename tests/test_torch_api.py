@@ -336,7 +336,7 @@ def test_forward_returns_a_named_tuple():
     assert isinstance(out, gt.GatedDeltaRuleOutput) and isinstance(out, tuple)
     assert gt.GatedDeltaRuleOutput._fields == ("o", "S_T")
     assert typing.get_type_hints(gt.GatedDeltaRuleOutput) == {
-        "o": torch.Tensor, "S_T": typing.Optional[torch.Tensor]}
+        "o": torch.Tensor, "S_T": torch.Tensor}
     assert "GatedDeltaRuleOutput" in gt.__all__
     o, S_T = out
     assert o is out.o is out[0] and S_T is out.S_T is out[1]
