@@ -50,7 +50,8 @@ for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
     dst = NOTEBOOKS / nb.name
     if not dst.exists() or dst.read_bytes() != nb.read_bytes():
         shutil.copyfile(nb, dst)
-os.environ.setdefault("MPLBACKEND", "Agg")    # the kernels inherit it; figures still render inline
+# the notebooks' kernels inherit this: figures as inline images, whatever MPLBACKEND said
+os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
 
 nb_execution_mode = "force"           # always run them: a broken lesson fails the build
 nb_execution_timeout = 600
