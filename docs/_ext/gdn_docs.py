@@ -111,7 +111,8 @@ def _ufuncs():
 
 def ufunc_rows():
     """(name, call, signature, summary) per gufunc, from the ufunc's own docstring: its second
-    paragraph is the call with argument names, its third what it computes."""
+    paragraph is the call with argument names, the first sentence of its third what it
+    computes."""
     rows = []
     for name, uf in _ufuncs():
         paras = [" ".join(p.split()) for p in uf.__doc__.split("\n\n")]
@@ -119,42 +120,40 @@ def ufunc_rows():
         call = re.sub(r",?\s*/,\s*out=None,\s*\*\*kwargs", "", call)
         summary = paras[2] if len(paras) > 2 else ""
         summary = summary.replace("See gdn_ext.ufuncs.", "").strip()
+        summary = re.split(r"(?<=[\w)\]])\.\s", summary + " ")[0].strip().rstrip(".") + "."
         rows.append((name, call, uf.signature, summary))
     return rows
 
 
-def ufunc_table_lines():
-    """The gufunc table as reST lines (a list-table)."""
-    lines = [".. list-table::", "   :header-rows: 1", "   :widths: 35 35 30", "",
-             "   * - gufunc and its arguments", "     - core signature",
-             "     - what it computes"]
-    for name, call, sig, summary in ufunc_rows():
-        lines += [f"   * - ``{call}``", f"     - ``{sig}``", f"     - {_escape(summary)}"]
-    return lines
-
-
 def _ufunc_table_directive():
-    """``.. gdn-ufunc-table::`` -- the raw gufuncs, their arguments and core signatures (Sphinx
-    imported here only: the tests use the functions above without it)."""
+    """``.. gdn-ufunc-table::`` -- the raw gufuncs, their arguments and core signatures, as a
+    table node (built directly: the directive also runs inside MyST pages, whose nested parsing
+    reads Markdown). Sphinx is imported here only: the tests use the functions above without it."""
     from docutils import nodes
-    from docutils.statemachine import StringList
     from sphinx.util.docutils import SphinxDirective
+
+    def entry(*children):
+        return nodes.entry("", nodes.paragraph("", "", *children))
 
     class UfuncTable(SphinxDirective):
         has_content = False
 
         def run(self):
-            node = nodes.container()
-            self.state.nested_parse(StringList(ufunc_table_lines(), source="gdn_ext.ufuncs"),
-                                    self.content_offset, node)
-            return node.children
+            header = ["gufunc and its arguments", "core signature", "what it computes"]
+            table = nodes.table(classes=["gdn-ufunc-table"])
+            group = nodes.tgroup(cols=3)
+            table += group
+            group += [nodes.colspec(colwidth=w) for w in (35, 35, 30)]
+            head = nodes.thead()
+            head += nodes.row("", *(entry(nodes.Text(h)) for h in header))
+            body = nodes.tbody()
+            for name, call, sig, summary in ufunc_rows():
+                body += nodes.row("", entry(nodes.literal(call, call)),
+                                  entry(nodes.literal(sig, sig)), entry(nodes.Text(summary)))
+            group += [head, body]
+            return [table]
 
     return UfuncTable
-
-
-def _escape(text):
-    """Plain text for reST: no inline markup from * _ ` | (the docstrings' math)."""
-    return re.sub(r"([*_`|\\])", r"\\\1", text)
 
 
 _SECTION_WITH_NOTE = re.compile(r"^(\s*)(Args|Returns|Raises) \((.+)\):\s*$")
