@@ -46,7 +46,7 @@ def default_threads(items=1 << 30):
 
 def busy_cap():
     """The cap the compiled module puts on default thread counts now, 0 for none: it lowers them
-    while the machine's cores are busy with other work (README, API: threads)."""
+    while the machine's cores are busy with other work (user guide, "Threads and signals")."""
     from ._native import _core
     return int(_core._busy_cap())
 

@@ -1,5 +1,7 @@
 """A conformance suite for any gated delta rule implementation, checked against gdn_ext in float64.
 
+From Python::
+
     report = gdn_ext.conformance.run(fn, convention="fla")
     assert report.passed
 
@@ -7,7 +9,8 @@ or from the command line (gdn_ext.apps.conformance)::
 
     python -m gdn_ext conformance MODULE:FUNCTION [--convention fla|transformers|gdn_ext]
                                                   [--dtype float32] [--device cpu] [--json FILE]
- The target takes flash-linear-attention's ``chunk_gated_delta_rule`` /
+
+The target takes flash-linear-attention's ``chunk_gated_delta_rule`` /
 ``fused_recurrent_gated_delta_rule`` signature (``fla``), transformers' fallbacks' (``transformers``:
 no scale, no packing), or gdn_ext.torch's (``gdn_ext``). Each case builds inputs in float64, rounds
 them to the target's dtype, runs the target on its device (and its backward, when it has one) and

@@ -2,7 +2,7 @@
 
 It follows the reference loop of the design note gdn_ext started from (a single-head PyTorch loop)
 with its names -- ``batch_matvec``, ``batch_outer``, ``gate_memory`` -- and adds the backward pass
-over time (README, "The backward pass") written the same way, plus what real models need: gates
+over time (user guide, "The backward pass") written the same way, plus what real models need: gates
 per key channel, grouped value heads, L2-normalised q and k, and packed variable-length batches.
 Slow (a Python loop over time) and memory-hungry (the backward keeps every state, grouped heads
 copy q and k): use :func:`gdn_ext.gated_delta_rule` for real work.
@@ -208,7 +208,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
                               normalize_qk: bool = False, cu_seqlens: Optional[ArrayLike] = None,
                               delta_rule: bool = True,
                               ) -> Union[GatedDeltaRuleGrads, GatedDeltaRuleGradsG]:
-    """Backward pass over time (README, "The backward pass") of :func:`gated_delta_rule`, keeping
+    """Backward pass over time (user guide, "The backward pass") of :func:`gated_delta_rule`, keeping
     every state. Returns the same named tuple as :func:`gdn_ext.gated_delta_rule_backward`, each
     gradient in its input's shape (a single-head beta [B, T] gives dbeta [B, T])."""
     P = _prepare(q, k, v, beta, alpha, g, initial_state, normalize_qk, extra=(do,))

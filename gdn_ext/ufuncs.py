@@ -9,8 +9,9 @@
 ``gated_delta_rule_bwd``
     Signature ``(t,v),(t,k),(t,k),(t,v),(t),(t),(v,k),(v,k),()->(t,k),(t,k),(t,v),(t),(t),(v,k)``:
     ``dq, dk, dv, dalpha, dbeta, dS_0 = gated_delta_rule_bwd(do, q, k, v, alpha, beta, S_0, dS_T,
-    scale)``, the backward pass over time of the forward (README, "The backward pass"), recomputing states from
-    checkpoints every ``C = ceil(sqrt(T))`` steps.
+    scale)``, the backward pass over time of the forward (the documentation's user guide, "The
+    recurrence and its backward pass"), recomputing states from checkpoints every
+    ``C = ceil(sqrt(T))`` steps.
 
 ``gated_delta_rule_general_fwd``
     Signature ``(t,k),(t,k),(t,v),(t,k),(t),(n,v,k),(),(),(m)->(t,v),(n,v,k)``:

@@ -1,0 +1,200 @@
+"""The documentation's code runs as written: every Python block of README.md and of the docs'
+Markdown / reST pages, executed page by page (the blocks of a page in order, in one namespace,
+in a scratch folder); a block preceded by ``<!-- not-runnable: reason -->`` is skipped. Warnings
+that a block's own lines raise (gdn_ext's value warnings, NumPy's floating-point ones) are
+errors: a page should not teach a call that warns unless it catches the warning itself.
+
+Also: the gufunc table lists every gufunc, with arguments that match it; the API pages list every
+public name; .ci/run runs the README's test command and builds the docs with the README's command.
+The docs/ folder is not in the sdist: its tests skip there."""
+import ast
+import importlib.util
+import os
+import pathlib
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+SKIP_MARK = re.compile(r"<!--\s*not-runnable:\s*(\S.*?)\s*-->")
+
+
+def _pages():
+    pages = [ROOT / "README.md"]
+    if DOCS.is_dir():
+        for path in sorted(DOCS.rglob("*")):
+            rel = path.relative_to(DOCS).parts
+            if path.suffix in (".md", ".rst") and rel[0] not in ("_build", "notebooks", "api"):
+                pages.append(path)
+    return pages
+
+
+def python_blocks(path):
+    """[(line, source, skip reason or None)] of a Markdown or reST page's Python blocks."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    blocks = []
+    if path.suffix == ".md":
+        i = 0
+        while i < len(lines):
+            m = re.match(r"^(\s*)(`{3,}|~{3,})\s*(\{code-block\}\s*)?(python|py|python3)\s*$",
+                         lines[i])
+            if not m:
+                i += 1
+                continue
+            indent, fence = m.group(1), m.group(2)
+            j = i + 1
+            while j < len(lines) and not lines[j].strip().startswith(fence):
+                j += 1
+            body = [ln[len(indent):] if ln.startswith(indent) else ln for ln in lines[i + 1:j]]
+            body = [ln for ln in body if not re.match(r"^:\w+:", ln)]   # directive options
+            before = "\n".join(lines[max(0, i - 3):i])
+            skip = SKIP_MARK.search(before)
+            blocks.append((i + 1, "\n".join(body), skip.group(1) if skip else None))
+            i = j + 1
+    else:
+        for i, line in enumerate(lines):
+            if re.match(r"^\s*\.\. (code-block|code|sourcecode)::\s*(python|py)\s*$", line):
+                indent = len(line) - len(line.lstrip())
+                body, j = [], i + 1
+                while j < len(lines) and (not lines[j].strip()
+                                          or len(lines[j]) - len(lines[j].lstrip()) > indent):
+                    body.append(lines[j])
+                    j += 1
+                body = [ln for ln in body if not re.match(r"^\s*:\w+:", ln)]
+                src = "\n".join(ln[indent + 3:] if ln.strip() else "" for ln in body)
+                skip = SKIP_MARK.search("\n".join(lines[max(0, i - 3):i]))
+                blocks.append((i + 1, src, skip.group(1) if skip else None))
+    return blocks
+
+
+PAGES = [p for p in _pages() if python_blocks(p)]
+
+
+def _imports(src):
+    """The top-level modules a block imports."""
+    mods = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            mods.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            mods.add(node.module.split(".")[0])
+    return mods
+
+
+def test_pages_with_code_are_found():
+    assert ROOT / "README.md" in PAGES
+    if DOCS.is_dir():
+        assert DOCS / "guide" / "numpy.md" in PAGES
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_page_code_runs(page, tmp_path, monkeypatch):
+    blocks = python_blocks(page)
+    for mod in sorted(set().union(*(_imports(src) for _, src, skip in blocks if not skip))):
+        if mod == "torch" and os.environ.get("GDN_EXT_REQUIRE_TORCH") == "1":
+            continue
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{page.name} needs {mod}")
+    monkeypatch.chdir(tmp_path)              # blocks may write files (the dask example: zarr)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    namespace = {"__name__": "docs_block"}
+    ran = 0
+    for line, src, skip in blocks:
+        if skip:
+            continue
+        code = compile(src, f"{page.relative_to(ROOT)}:{line}", "exec")
+        with warnings.catch_warnings():
+            # warnings whose reported location is a line of the block
+            warnings.filterwarnings("error", module="docs_block")
+            try:
+                exec(code, namespace)
+            except Exception as exc:
+                raise AssertionError(f"{page.relative_to(ROOT)}, the block at line {line} "
+                                     f"failed: {type(exc).__name__}: {exc}") from exc
+        ran += 1
+    assert ran, f"{page.name}: every block is marked not runnable"
+
+
+def test_skip_marks_give_a_reason():
+    for page in _pages():
+        text = page.read_text(encoding="utf-8")
+        for m in re.finditer(r"<!--\s*not-runnable(.*?)-->", text, re.S):
+            assert re.match(r":\s*\S", m.group(1)), f"{page.name}: a not-runnable mark without " \
+                                                    "a reason"
+
+
+def _gdn_docs():
+    if not (DOCS / "_ext" / "gdn_docs.py").exists():
+        pytest.skip("docs/ is not in this tree (an sdist)")
+    spec = importlib.util.spec_from_file_location("gdn_docs", DOCS / "_ext" / "gdn_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _core_gufuncs():
+    import gdn_ext.ufuncs
+    core = gdn_ext.ufuncs._core
+    return {n: getattr(core, n) for n in dir(core) if isinstance(getattr(core, n), np.ufunc)}
+
+
+def test_the_gufunc_table_lists_every_gufunc():
+    import gdn_ext.ufuncs
+    rows = {name: (call, sig) for name, call, sig, _ in _gdn_docs().ufunc_rows()}
+    every = _core_gufuncs()
+    assert len(every) >= 12
+    assert set(every) <= set(rows), f"missing from the table: {sorted(set(every) - set(rows))}"
+    assert set(gdn_ext.ufuncs.__all__) <= set(rows)
+    assert set(every) == set(gdn_ext.ufuncs.__all__), "gdn_ext.ufuncs does not export them all"
+    for name, uf in every.items():
+        call, sig = rows[name]
+        assert sig == uf.signature
+        # the call names each input and each output: as many as the gufunc has
+        m = re.fullmatch(rf"{name}\((.*)\)\s*->\s*\((.*)\)", call)
+        assert m, f"{name}: the table's call {call!r} is not 'name(inputs) -> (outputs)'"
+        ins, outs = ([a.strip() for a in g.split(",")] for g in m.groups())
+        assert len(ins) == uf.nin and len(outs) == uf.nout, (name, ins, outs)
+
+
+def test_the_numpy_guide_shows_the_table():
+    if not DOCS.is_dir():
+        pytest.skip("docs/ is not in this tree (an sdist)")
+    text = (DOCS / "guide" / "numpy.md").read_text(encoding="utf-8")
+    assert re.search(r"^```\{gdn-ufunc-table\}", text, re.M)
+
+
+def test_the_api_pages_list_every_public_name():
+    pages = _gdn_docs().api_pages()
+    import gdn_ext
+    for modname, text in pages.items():
+        mod = importlib.import_module(modname)
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if name.startswith("__") or isinstance(obj, np.ufunc):
+                continue
+            if type(obj).__name__ == "module":
+                assert f":doc:`{modname}.{name}`" in text, (modname, name)
+            elif modname == "gdn_ext.layer" and name in gdn_ext.__all__:
+                assert re.search(rf"^   {name}$", pages["gdn_ext"], re.M), (modname, name)
+            else:
+                assert re.search(rf"^   {name}$", text, re.M), (modname, name)
+
+
+def _readme_commands():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def test_ci_runs_the_readme_test_command_and_the_docs_build():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    commands = _readme_commands()
+    assert len(commands) == 2
+    assert commands[1] in ci, "the README's test command is not in .ci/run"
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    build = re.search(r"python -m sphinx [^\n`]*", text).group(0)
+    assert "-W" in build.split() and build in ci, "the README's docs build is not in .ci/run"
