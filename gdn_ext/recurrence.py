@@ -1,7 +1,8 @@
 """The gated delta rule: checked NumPy entry points over the C generalized ufuncs.
 
-Math (README, "The recurrence" and "The backward pass"): S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving
-Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
+Math (user guide, "The recurrence and its backward pass"): S. Yang, J. Kautz, A. Hatamizadeh,
+"Gated Delta Networks: Improving Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464),
+section 3.
 """
 from __future__ import annotations
 
@@ -283,7 +284,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     """Gradients of :func:`gated_delta_rule` (backpropagation through time, in C).
 
     Given ``do`` = dL/do and ``dS_T`` = dL/dS_T, returns dL/d(every input). Walks t = T..1 with
-    G = dL/dS_t (derived by hand from the forward; see the README, "The backward pass")::
+    G = dL/dS_t (derived by hand from the forward; see the user guide, "The backward pass")::
 
         G += s do_t q_t^T;  dq_t = s S_t^T do_t;  du = G k_t;  dk_t = G^T u_t + D_t S_{t-1}^T dp
         dbeta_t = du . (v_t - p_t);  dv_t = beta_t du;  dp = -beta_t du
@@ -297,7 +298,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     value rows at a time, so each (sequence, head) pair in flight holds (ceil(T/C) + 1) * Dv * Dk
     numbers and each thread about C * 16 * Dk more -- O(sqrt(T) * Dk * Dv), never T * Dk * Dv --
     besides the gradients themselves (and, with grouped value heads, one [B, T, HV, Dk] partial
-    sum of dq and dk). Cost: 5-8x the forward (README, "Speed").
+    sum of dq and dk). Cost: 5-8x the forward (docs, "Speed").
 
     Parameters
     ----------
