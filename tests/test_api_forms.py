@@ -218,3 +218,23 @@ def test_torch_tensors_are_refused_with_the_function_that_takes_them(front):
     msg = str(info.value)
     name = "q_t" if front == "step" else "q"
     assert msg.startswith(f"{name} is a torch tensor") and "gdn_ext.torch.gated_delta_rule" in msg
+
+
+def test_readme_examples_pass_mypy_strict(tmp_path):
+    """The README's Python examples, as one user script, pass mypy --strict against the installed
+    package (run from another folder, so that gdn_ext is found as a user's script finds it)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("mypy")
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    if not readme.exists():
+        pytest.skip("no README.md beside the tests")
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+    assert blocks
+    script = tmp_path / "readme_examples.py"
+    script.write_text("\n".join(blocks))
+    run = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental",
+                          str(script)], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
