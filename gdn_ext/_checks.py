@@ -16,6 +16,19 @@ __all__ = []
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+def gate_axis_note(name, given, per_head, Dk):
+    """The warning for a gate broadcast to one per head although its last axis has Dk entries,
+    as a per-key gate's would (NumPy's rules line it up with the heads, or the batch): what to
+    give for one decay per key channel; None when the shapes are not ambiguous."""
+    if not given or given[-1] != Dk or Dk <= 1:
+        return None
+    return (f"{name} of shape {fmt(given)} was broadcast to one gate per head, {fmt(per_head)} "
+            f"(NumPy's rules line its last axis up with the last of those), although its last "
+            f"axis has Dk = {Dk} entries as a per-key gate's would: for one decay per key "
+            f"channel give it {len(per_head) + 1} axes, e.g. shape "
+            f"{fmt((1,) * len(per_head) + (Dk,))} (check_values=False turns this warning off)")
+
+
 def torch_tensor_message(name):
     """The NumPy and dask front ends' refusal of a torch tensor: which function takes it."""
     return (f"{name} is a torch tensor: gdn_ext.torch.gated_delta_rule takes tensors (and "

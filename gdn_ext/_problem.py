@@ -15,7 +15,7 @@ import numpy as np
 
 from ._native import _core
 from ._checks import (as_real_array, compute_dtype, converted, expect_shape, flag, fmt,
-                      head_first_message, real_scalar, value_messages, warn)
+                      gate_axis_note, head_first_message, real_scalar, value_messages, warn)
 
 __all__ = []  # private: the front ends use _Problem and packed_sequences
 
@@ -165,26 +165,35 @@ class _Problem:
         gate_given; None when given in full). Shapes that do not broadcast are left for
         _check_shapes to name."""
         self.beta_given = self.gate_given = None
+        self.shape_notes = []   # warnings about shapes a user may not mean (with check_values)
         step, sh = self.names.step, self.single_head
         if v.ndim != q.ndim:
             return beta, gate
         lead = q.shape[:1] if step else q.shape[:2]
         per_head = lead if sh else lead + v.shape[-2:-1]
-        per_key = per_head + q.shape[-1:]
+        Dk = q.shape[-1]
+        per_key = per_head + (Dk,)
         exact = {per_head, per_key} | ({per_head + (1,)} if sh else set())
 
-        def fit(a, per_key_ok):
+        def fit(a, name, per_key_ok):
             if a.shape in exact and (per_key_ok or a.shape != per_key):
                 return a, None
             target = per_key if per_key_ok and a.ndim == len(per_head) + 1 else per_head
+            if sh and not per_key_ok and a.ndim == len(per_head) + 1 and a.shape[-1] == 1:
+                target = per_head + (1,)      # the single-head beta's [B, T, 1], broadcast
             if a.ndim > len(target):
                 return a, None
             try:
-                return np.broadcast_to(a, target), a.shape
+                full = np.broadcast_to(a, target)
             except ValueError:
                 return a, None
-        beta, self.beta_given = fit(beta, False)
-        gate, self.gate_given = fit(gate, True)
+            note = per_key_ok and target == per_head and gate_axis_note(name, a.shape,
+                                                                        per_head, Dk)
+            if note:
+                self.shape_notes.append(note)
+            return full, a.shape
+        beta, self.beta_given = fit(beta, "beta", False)
+        gate, self.gate_given = fit(gate, self.gate_name, True)
         return beta, gate
 
     # 2. the shapes -----------------------------------------------------------------------------
@@ -245,6 +254,8 @@ class _Problem:
             m = head_first_message((self.B, self.T, self.H, self.Dk), n.q)
             if m:
                 warn(m)
+        for m in self.shape_notes:
+            warn(m)
 
     def _check_packed(self, cu_seqlens):
         """cu_seqlens (FlashAttention's packed batch) checked against B and T."""

@@ -1,5 +1,5 @@
 """The gated delta rule on dask arrays: lazy, chunked over batch and heads, one NumPy call of
-gdn_ext per chunk (dask is an optional dependency: ``pip install "gdn_ext[dask]"``).
+gdn_ext per chunk (dask is an optional dependency: ``pip install -e ".[dask]"`` in a clone).
 
     import dask.array as da, gdn_ext.dask as gd
     q = da.from_zarr("q.zarr")                    # [B, T, H, Dk], chunks over B and H only
@@ -31,7 +31,8 @@ import numpy as np
 try:
     import dask.array as da
 except ImportError as _exc:  # pragma: no cover - exercised without dask
-    raise ImportError('gdn_ext.dask needs dask: pip install "gdn_ext[dask]" (or "dask[array]")'
+    raise ImportError('gdn_ext.dask needs dask: pip install "dask[array]" (or, in a clone, '
+                      'pip install -e ".[dask]")'
                       ) from _exc
 
 from ._problem import _Problem
@@ -133,6 +134,7 @@ class _Inputs:
         self.dtype = compute_dtype([np.empty(0, a.dtype) for a in arrays + list(extra)])
         # a scalar or broadcastable beta / gate: broadcast, chunked as v along B and the heads
         self.beta_given, self.gate_given = p.beta_given, p.gate_given
+        self.shape_notes = p.shape_notes
         beta = _full(beta, "beta", p.beta_shape, seq(()))
         gate = _full(gate, self.gate_name, p.gate_shape,
                      seq(((Dk,),)) if p.per_key else seq(()))
@@ -202,9 +204,9 @@ def _checker(x, check_values, delta_rule, normalize_qk):
     when it runs (compute time), both at the user's line; None when check_values is False."""
     if not flag(check_values, "check_values"):
         return None
-    m = head_first_message(tuple(x.q.shape), "q")
-    if m:
-        warn(m)
+    for m in [head_first_message(tuple(x.q.shape), "q")] + x.shape_notes:
+        if m:
+            warn(m)
     at = caller_location()
     log_gate = x.gate_name == "g"
 

@@ -238,3 +238,58 @@ def test_readme_examples_pass_mypy_strict(tmp_path):
     run = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental",
                           str(script)], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _front(name):
+    """gated_delta_rule of the NumPy, torch or dask front end, on NumPy inputs."""
+    if name == "numpy":
+        return gdn_ext.gated_delta_rule
+    if name == "torch":
+        torch = pytest.importorskip("torch")
+        import gdn_ext.torch as gt
+
+        def call(q, k, v, **kw):
+            kw = {n: torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+                  for n, x in kw.items()}
+            return gt.gated_delta_rule(torch.from_numpy(q), torch.from_numpy(k),
+                                       torch.from_numpy(v), **kw)
+        return call
+    pytest.importorskip("dask.array")
+    import gdn_ext.dask as gd
+    return gd.gated_delta_rule
+
+
+@pytest.mark.parametrize("front", ["numpy", "torch", "dask"])
+def test_a_gate_read_per_head_with_dk_entries_warns(front):
+    """A gate whose last axis has Dk entries but lines up with the heads (HV = Dk) is one gate
+    per head by NumPy's rules, not the per-key gate it looks like: a warning says so and what
+    to give instead, at the caller's line; none for the per-key form, for HV != Dk, or with
+    check_values=False."""
+    fn = _front(front)
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 5, 4, 4))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)    # (no stability warning)
+    ambiguous = np.full(4, 0.9)
+    with pytest.warns(UserWarning, match=r"alpha of shape \[4\] was broadcast to one gate per "
+                                         r"head, \[2, 5, 4\].*e\.g\. shape \[1, 1, 1, 4\]") as w:
+        fn(q, q, q, beta=0.5, alpha=ambiguous)
+    assert all(r.filename == __file__ for r in w if "broadcast to one gate" in str(r.message))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn(q, q, q, beta=0.5, alpha=ambiguous, check_values=False)
+        fn(q, q, q, beta=0.5, alpha=ambiguous.reshape(1, 1, 1, 4))
+        v3 = rng.standard_normal((2, 5, 8, 4))      # HV = 8 != Dk: not ambiguous
+        fn(q, q, v3, beta=0.5, alpha=np.full(8, 0.9))
+
+
+def test_single_head_beta_broadcasts_with_its_unit_axis():
+    """The single-head form's beta [B, T, 1] broadcasts too ([B, 1, 1]), gradient as given."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((2, 5, 3)) for _ in range(3))
+    beta = np.array([0.3, 0.6]).reshape(2, 1, 1)
+    got = gdn_ext.gated_delta_rule_backward(np.ones_like(v), q, k, v, beta=beta, alpha=0.9)
+    full = gdn_ext.gated_delta_rule_backward(np.ones_like(v), q, k, v,
+                                             beta=np.repeat(beta, 5, axis=1), alpha=0.9)
+    assert got.dbeta.shape == (2, 1, 1)
+    np.testing.assert_allclose(got.dbeta, full.dbeta.sum(axis=1, keepdims=True), rtol=1e-12)

@@ -181,7 +181,7 @@ def main(argv=None):
         from threadpoolctl import threadpool_limits
     except ImportError:
         ap.error('threadpoolctl is missing: install the applications\' extra, '
-                 'pip install "gdn_ext[apps]"')
+                 'pip install -e ".[apps]" (in a clone)')
     results = {}
     with threadpool_limits(limits=1, user_api="blas"):
         for rule in rules:

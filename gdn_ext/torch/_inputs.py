@@ -12,6 +12,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from .._checks import gate_axis_note
+
 __all__ = ["GatedDeltaRuleOutput"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -61,12 +63,13 @@ def is_number(x) -> bool:
 
 
 def per_head(x, name: str, dtype: torch.dtype, device, B, T, HV, Dk=None, single=False,
-             heads: str = "HV") -> torch.Tensor:
+             heads: str = "HV", notes=None) -> torch.Tensor:
     """beta (Dk None) or a gate as a tensor of ``dtype`` broadcast (NumPy's rules, aligned at the
     right) to the per-head shape [B, T, HV] (single-head form [B, T]); a gate with one more
     dimension broadcasts to [B, T, HV, Dk] ([B, T, Dk]), one value per key channel. A view when
     x is a tensor: autograd sums the gradient back to x's shape. ValueError naming the argument
-    and the shape expected."""
+    and the shape expected. A gate read per head whose last axis has Dk entries adds a warning
+    to ``notes`` (gdn_ext._checks.gate_axis_note)."""
     if is_number(x):
         x = torch.tensor(float(x), dtype=dtype, device=device)
     else:
@@ -80,9 +83,15 @@ def per_head(x, name: str, dtype: torch.dtype, device, B, T, HV, Dk=None, single
         x, per_key = x.squeeze(-1), False    # the same value for every key: one per head
     want = shape + (Dk,) if per_key else shape
     try:
-        return x.expand(want)
+        full = x.expand(want)
     except RuntimeError:
         pass
+    else:
+        if Dk is not None and not per_key and notes is not None and tuple(x.shape) != shape:
+            note = gate_axis_note(name, tuple(x.shape), shape, Dk)
+            if note:
+                notes.append(note)
+        return full
     lay = "[B, T]" if single else f"[B, T, {heads}]"
     msg = (f"{name} must be a real number or a tensor that broadcasts to {lay} = "
            f"{list(shape)}")
@@ -126,11 +135,12 @@ def check_ranks(q, k, v, initial_state, cu_seqlens):
                          f"{list(cu_seqlens.shape)}")
 
 
-def prepare(q, k, v, beta, gate, gate_name, initial_state, cpu=True):
+def prepare(q, k, v, beta, gate, gate_name, initial_state, cpu=True, notes=None):
     """The dtype rule and the shapes of beta and the gate (this module's docstring), applied:
     (q, k, v, beta, gate, initial_state) in the computation's dtype, beta and the gate
     broadcast to their full shapes, and the dtype o is returned in. ``cpu``: refuse tensors on
-    another device (the reference loop runs on any)."""
+    another device (the reference loop runs on any). ``notes``: a list that collects warnings
+    about the shapes given."""
     tensors = {"q": q, "k": k, "v": v, "beta": beta, gate_name: gate}
     if initial_state is not None:
         tensors["initial_state"] = initial_state
@@ -149,7 +159,8 @@ def prepare(q, k, v, beta, gate, gate_name, initial_state, cpu=True):
     HV = 1 if single else v.shape[2]
     heads = "HV" if single or v.shape[2] != q.shape[2] else "H"
     beta = per_head(beta, "beta", dt, q.device, B, T, HV, single=single, heads=heads)
-    gate = per_head(gate, gate_name, dt, q.device, B, T, HV, Dk, single=single, heads=heads)
+    gate = per_head(gate, gate_name, dt, q.device, B, T, HV, Dk, single=single, heads=heads,
+                    notes=notes)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     if initial_state is not None:
         initial_state = initial_state.to(dt)

@@ -294,8 +294,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
                          + ("both" if alpha is not None else "neither"))
     gate_name, gate = ("alpha", alpha) if alpha is not None else ("g", g)
     given = [t for t in (q, k, v, beta, gate, initial_state) if isinstance(t, torch.Tensor)]
+    notes = []
     q, k, v, beta, gate, initial_state, out_dtype = prepare(q, k, v, beta, gate, gate_name,
-                                                            initial_state)
+                                                            initial_state, notes=notes)
     cu_seqlens = cu_tensor(cu_seqlens)
     check_ranks(q, k, v, initial_state, cu_seqlens)
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
@@ -307,6 +308,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     output_final_state = flag(output_final_state, "output_final_state")
     delta_rule = flag(delta_rule, "delta_rule")
     if flag(check_values, "check_values"):
+        for m in notes:
+            warn(m)
         warn_unusual(q, k, beta, gate, log_gate=gate_name == "g", delta_rule=delta_rule,
                      normalize_qk=normalize_qk)
     # Under torch.compile the checkpoints are not handed over: their count is a function of T
