@@ -689,8 +689,15 @@ def build_parser():
     ap.add_argument("--padded", action="store_true",
                     help="only the padded-batch row (padded against ordinary inputs, 1 thread)")
     ap.add_argument("--targets", action="store_true",
-                    help="only the training targets (ratios measured in one run, each against "
-                         "its bound; with --quick, tiny sizes)")
+                    help="only the training-step ratios, all measured in one run: backward / "
+                         "forward (one thread, both dtypes, Dk = Dv 64, 128, 256, scalar and "
+                         "per-key gates), the forward that returns checkpoints / the plain "
+                         "forward, the PyTorch path (gdn_ext.torch forward + backward) / the "
+                         "NumPy calls it makes, transformers' chunked fallback / gdn_ext, the "
+                         "forward on all threads as a fraction of their multiply-add peak, few "
+                         "(sequence, head) pairs on one thread / on all threads, and decoding-"
+                         "step times; each line ends with a reference value and whether the "
+                         "measurement is within it (with --quick, tiny sizes)")
     ap.add_argument("--json", metavar="FILE", default=None,
                     help="write every number to FILE as JSON (default: no file)")
     ap.add_argument("--plot", metavar="FILE.png", default=None,
