@@ -72,6 +72,16 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return super()._expand_help(action)
 
 
+def add_shape(ap, batch, seq_len, head_dim, heads=4):
+    """The problem-shape options that bench, demo and ondisk share: --batch, --seq-len,
+    --heads, --head-dim, with these defaults."""
+    ap.add_argument("--batch", type=positive_int, default=batch, help="B, sequences")
+    ap.add_argument("--seq-len", type=positive_int, default=seq_len, help="T, tokens")
+    ap.add_argument("--heads", type=positive_int, default=heads, help="H, heads")
+    ap.add_argument("--head-dim", type=positive_int, default=head_dim,
+                    help="Dk = Dv, the head size")
+
+
 def parser(prog, doc, **kwargs):
     """An ArgumentParser whose description is the plain text of the docstring doc."""
     return argparse.ArgumentParser(prog=prog, description=plain(doc),

@@ -672,10 +672,7 @@ def plot(res, path):
 def build_parser():
     """The argparse parser of ``python -m gdn_ext bench``."""
     ap = _cli.parser("python -m gdn_ext bench", __doc__)
-    ap.add_argument("--batch", type=positive_int, default=2, help="B, sequences")
-    ap.add_argument("--seq-len", type=positive_int, default=2048, help="T, tokens")
-    ap.add_argument("--heads", type=positive_int, default=4, help="H, heads")
-    ap.add_argument("--head-dim", type=positive_int, default=128, help="Dk = Dv, the head size")
+    _cli.add_shape(ap, 2, 2048, 128)
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="threads of every row (default: OpenMP's default thread count)")
     ap.add_argument("--repeat", type=positive_int, default=5,

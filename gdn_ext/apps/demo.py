@@ -15,10 +15,7 @@ from ._cli import non_negative_int, positive_int
 def build_parser():
     """The argparse parser of ``python -m gdn_ext demo``."""
     ap = _cli.parser("python -m gdn_ext demo", __doc__)
-    ap.add_argument("--batch", type=positive_int, default=2, help="B, sequences")
-    ap.add_argument("--seq-len", type=positive_int, default=2048, help="T, tokens")
-    ap.add_argument("--heads", type=positive_int, default=4, help="H, heads")
-    ap.add_argument("--head-dim", type=positive_int, default=64, help="Dk = Dv, the head size")
+    _cli.add_shape(ap, 2, 2048, 64)
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                     help="the dtype of the inputs and of the computation")
     ap.add_argument("--threads", type=positive_int, default=None,

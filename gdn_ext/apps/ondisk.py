@@ -71,10 +71,7 @@ def build_parser():
     ap.add_argument("--store", metavar="DIR", default=None,
                     help="zarr directory, kept afterwards (default: a temporary one, deleted at "
                          "the end)")
-    ap.add_argument("--batch", type=positive_int, default=64, help="B, sequences")
-    ap.add_argument("--seq-len", type=positive_int, default=512, help="T, tokens")
-    ap.add_argument("--heads", type=positive_int, default=4, help="H, heads")
-    ap.add_argument("--head-dim", type=positive_int, default=64, help="Dk = Dv, the head size")
+    _cli.add_shape(ap, 64, 512, 64)
     ap.add_argument("--chunk", type=positive_int, default=8,
                     help="sequences per chunk (at most --batch)")
     ap.add_argument("--threads", type=positive_int, default=1, help="kernel threads per dask task")
