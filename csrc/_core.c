@@ -30,6 +30,9 @@
  * layer around one call, so that a per-call num_threads reaches the pragma's num_threads() clause
  * without touching omp_set_num_threads (which would override threadpoolctl / OMP_NUM_THREADS). */
 static GDN_THREAD_LOCAL int call_threads = 0;
+/* Tokens per chunk of the chunkwise form for the checked call open on this OS thread (0: the
+ * recurrence). Set with the thread count by _call_begin; bare gufunc calls run the recurrence. */
+static GDN_THREAD_LOCAL ptrdiff_t call_chunk = 0;
 
 /* This OS thread's calls (see "calls and Ctrl-C" below). */
 typedef struct {
@@ -37,6 +40,7 @@ typedef struct {
     int failed;               /* an inner loop of this gufunc call left an error set */
     gdn_cancel_flag cancel;   /* the main thread's call: set by on_sigint */
     int saved_threads[8];     /* call_threads before each open call (_call_begin) */
+    ptrdiff_t saved_chunk[8]; /* call_chunk likewise */
 } call_state;
 static GDN_THREAD_LOCAL call_state this_call;
 
@@ -588,7 +592,10 @@ static int call_sizes(gdn_sizes *sz, const loop_operands *L, const loop_kind *ki
     const int vpos = (int)(strchr(letters, 'v') - letters) + 1;
     *sz = (gdn_sizes){.N = dims[0], .T = dims[1], .NS = kind->general ? dims[4] : 1,
                       .Dk = dims[kpos], .Dv = dims[vpos], .max_len = dims[1],
-                      .dalpha_summed = !kind->general};
+                      .dalpha_summed = !kind->general,
+                      /* the chunkwise form: asked for, a gate of one number per token (key stride
+                       * 0), no checkpoints to hand over */
+                      .chunk = call_chunk > 0 && !kind->ckpt && in->a_k == 0 ? call_chunk : 0};
     if (kind->general)
         return check_packed(arg(L, R_CU), in->cu_n, in->cu_m, dims, kind->ckpt, &sz->max_len);
     return kind->ckpt ? check_ckpt_count(dims[4], sz->T) : 0;
@@ -614,7 +621,7 @@ static void fwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
         .ck_k = ck->c[g + 2]};
     gdn_sizes sz;
     if (call_sizes(&sz, &L, kind, dims, "tkv", &st.in) == 0) {
-        const int nt = team_size(gdn_fwd_items(sz.N * sz.NS, sz.Dv));
+        const int nt = team_size(sz.chunk ? sz.N * sz.NS : gdn_fwd_items(sz.N * sz.NS, sz.Dv));
         gdn_fwd_call call = {
             .q = arg(&L, R_Q), .k = arg(&L, R_K), .v = arg(&L, R_V), .alpha = arg(&L, R_A),
             .beta = arg(&L, R_B), .S_0 = arg(&L, R_S0), .scale = arg(&L, R_SC),
@@ -623,7 +630,9 @@ static void fwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
             .o = arg(&L, R_O), .S_T = arg(&L, R_ST), .ckpt = arg(&L, R_CK),
             .st = &st, .sz = &sz, .num_threads = nt};
         const kernel_job job = {.fwd = &call, .f64 = kind->f64};
-        run_with_workspace(nt, gdn_fwd_workspace_len(sz.max_len, sz.Dk, sz.Dv), L.is[0],
+        const size_t wlen = sz.chunk ? gdn_chunk_fwd_workspace_len(sz.chunk, sz.Dk, sz.Dv)
+                                     : gdn_fwd_workspace_len(sz.max_len, sz.Dk, sz.Dv);
+        run_with_workspace(nt, wlen, L.is[0],
                            arg(&L, R_S0) == arg(&L, R_ST), &sz, &job);
     }
     free_copies(L.tmp, L.nin);
@@ -655,7 +664,7 @@ static void bwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
         .ds0_n = ds0->n, .ds0_s = g ? ds0->c[0] : 0, .ds0_v = ds0->c[g], .ds0_k = ds0->c[g + 1]};
     gdn_sizes sz;
     if (call_sizes(&sz, &L, kind, dims, "tvk", &st.in) == 0) {
-        const int nt = team_size(gdn_bwd_items(sz.N * sz.NS, sz.Dv));
+        const int nt = team_size(sz.chunk ? sz.N * sz.NS : gdn_bwd_items(sz.N * sz.NS, sz.Dv));
         gdn_bwd_call call = {
             .d_o = arg(&L, R_DO), .q = arg(&L, R_Q), .k = arg(&L, R_K), .v = arg(&L, R_V),
             .alpha = arg(&L, R_A), .beta = arg(&L, R_B), .S_0 = arg(&L, R_S0),
@@ -666,8 +675,9 @@ static void bwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
             .dalpha = arg(&L, R_DA), .dbeta = arg(&L, R_DB), .dS_0 = arg(&L, R_DS0),
             .st = &st, .sz = &sz, .num_threads = nt};
         const kernel_job job = {.bwd = &call, .f64 = kind->f64};
-        run_with_workspace(nt, gdn_bwd_workspace_len(sz.max_len, sz.Dk, sz.Dv), L.is[0], 0, &sz,
-                           &job);
+        const size_t wlen = sz.chunk ? gdn_chunk_bwd_workspace_len(sz.max_len, sz.chunk, sz.Dk, sz.Dv)
+                                     : gdn_bwd_workspace_len(sz.max_len, sz.Dk, sz.Dv);
+        run_with_workspace(nt, wlen, L.is[0], 0, &sz, &job);
     }
     free_copies(L.tmp, L.nin);
 }
@@ -842,14 +852,27 @@ static PyObject *py_set_call_threads(PyObject *self, PyObject *arg)
     return PyLong_FromLong(prev);
 }
 
-/* _call_begin(n): a call of the checked API starts on this thread, on n threads (0: default) */
-static PyObject *py_call_begin(PyObject *self, PyObject *arg)
+/* _call_begin(n, chunk=0): a call of the checked API starts on this thread, on n threads (0:
+ * default), with the chunkwise form's chunk size (0: the recurrence) */
+static PyObject *py_call_begin(PyObject *self, PyObject *args)
 {
-    const int n = thread_arg(arg);
+    PyObject *threads;
+    Py_ssize_t chunk = 0;
+    if (!PyArg_ParseTuple(args, "O|n", &threads, &chunk)) return NULL;
+    const int n = thread_arg(threads);
     if (n < 0) return NULL;
+    if (chunk < 0 || chunk > GDN_CHUNK_MAX) {
+        PyErr_Format(PyExc_ValueError, "chunk_size must be between 1 and %d (0: the recurrence)",
+                     GDN_CHUNK_MAX);
+        return NULL;
+    }
     const int d = this_call.depth;
-    if (d < (int)(sizeof this_call.saved_threads / sizeof(int))) this_call.saved_threads[d] = call_threads;
+    if (d < (int)(sizeof this_call.saved_threads / sizeof(int))) {
+        this_call.saved_threads[d] = call_threads;
+        this_call.saved_chunk[d] = call_chunk;
+    }
     call_threads = n;
+    call_chunk = (ptrdiff_t)chunk;
     call_open(1);
     Py_RETURN_NONE;
 }
@@ -859,7 +882,10 @@ static PyObject *py_call_end(PyObject *self, PyObject *unused)
 {
     if (this_call.depth > 0) {
         const int d = this_call.depth - 1;
-        if (d < (int)(sizeof this_call.saved_threads / sizeof(int))) call_threads = this_call.saved_threads[d];
+        if (d < (int)(sizeof this_call.saved_threads / sizeof(int))) {
+            call_threads = this_call.saved_threads[d];
+            call_chunk = this_call.saved_chunk[d];
+        }
         call_close();
     }
     Py_RETURN_NONE;
@@ -942,8 +968,9 @@ static PyMethodDef methods[] = {
      "isa() -> 'generic' | 'avx2' | 'avx512': the instruction set the kernels were picked for."},
     {"_set_call_threads", py_set_call_threads, METH_O,
      "_set_call_threads(n) -> previous: threads for gufunc calls from this OS thread (0: default)."},
-    {"_call_begin", py_call_begin, METH_O,
-     "_call_begin(n): a checked call starts on this thread, on n threads (0: default); it spans\n"
+    {"_call_begin", py_call_begin, METH_VARARGS,
+     "_call_begin(n, chunk=0): a checked call starts on this thread, on n threads (0: default),\n"
+     "in the chunkwise form with chunks of `chunk` tokens (0: the recurrence); it spans\n"
      "the gufunc call's casts and inner loops and, on the main thread, watches for Ctrl-C.\n"
      "Pair with _call_end() in a finally clause."},
     {"_call_end", py_call_end, METH_NOARGS, "_call_end(): the call started by _call_begin ended."},

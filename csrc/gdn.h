@@ -104,6 +104,8 @@ typedef struct {
     ptrdiff_t N, T, NS, Dk, Dv;
     ptrdiff_t max_len;   /* the longest packed sequence (cu_seqlens already checked) */
     int dalpha_summed;   /* scalar gate: the backward writes dalpha[t] = sum_j dalpha[t, j] */
+    ptrdiff_t chunk;     /* > 0: the chunkwise form with chunks of this many tokens (scalar gate,
+                          * no checkpoints; see gdn_chunk_forward); 0: the recurrence */
     gdn_cancel_flag *cancel;   /* this call's Ctrl-C flag, NULL: none (see GDN_CANCELLED) */
 } gdn_sizes;
 
@@ -248,6 +250,20 @@ typedef struct {
 } gdn_bwd_call;
 void gdn_backward_f64(const gdn_bwd_call *call);
 void gdn_backward_f32(const gdn_bwd_call *call);
+
+/*
+ * The chunkwise (WY / UT-transform) form of the same forward and backward (csrc/gdn_chunk.inc),
+ * chosen by gdn_forward_* / gdn_backward_* when sz->chunk > 0. It reads the gate as one number per
+ * token (alpha's key stride must be 0: the caller checks) and neither writes nor reads checkpoints
+ * (ckpt must be NULL). The general loops' dalpha [T, Dk] then receives the token's gradient in
+ * key 0 and zeros in the other keys (their sum is the gradient). ws: nthreads times
+ * gdn_chunk_fwd_workspace_len(C, Dk, Dv) / gdn_chunk_bwd_workspace_len(max_len, C, Dk, Dv)
+ * elements; the backward's holds the state entering each of ceil(max_len / C) chunks.
+ */
+#define GDN_CHUNK_PAD 16   /* buffer widths are padded to this many elements (every build's lanes) */
+#define GDN_CHUNK_MAX 256  /* the longest chunk */
+size_t gdn_chunk_fwd_workspace_len(ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv);
+size_t gdn_chunk_bwd_workspace_len(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv);
 
 /* The multiply-add ceiling of the instruction set the kernels use: GFLOP/s (a multiply-add counts
  * 2) of independent vector FMA chains on num_threads threads (0: OpenMP's default), float32 or

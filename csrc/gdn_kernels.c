@@ -274,12 +274,17 @@ int gdn_openmp_enabled(void)
     double gdn_fma_probe_f64_##isa(long iters, double m, double c);                              \
     double gdn_fma_probe_f32_##isa(long iters, float m, float c);                                \
     int gdn_fma_lanes_f64_##isa(void);                                                           \
-    int gdn_fma_lanes_f32_##isa(void);
+    int gdn_fma_lanes_f32_##isa(void);                                                           \
+    size_t gdn_chunk_ws_f64_##isa(ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv, int bwd, ptrdiff_t nt);
 GDN_DECLARE_ISA(generic)
 void gdn_forward_f32_generic(const gdn_fwd_call *call);    /* gdn_kernels.c (portable) */
 void gdn_forward_f64_generic(const gdn_fwd_call *call);
 void gdn_backward_f32_generic(const gdn_bwd_call *call);
 void gdn_backward_f64_generic(const gdn_bwd_call *call);
+void gdn_chunk_forward_f32_generic(const gdn_fwd_call *call);
+void gdn_chunk_forward_f64_generic(const gdn_fwd_call *call);
+void gdn_chunk_backward_f32_generic(const gdn_bwd_call *call);
+void gdn_chunk_backward_f64_generic(const gdn_bwd_call *call);
 #if GDN_X86_DISPATCH
 GDN_DECLARE_ISA(avx2)
 GDN_DECLARE_ISA(avx512)
@@ -287,10 +292,18 @@ void gdn_forward_f32_avx2(const gdn_fwd_call *call);       /* gdn_kernels_avx2.c
 void gdn_forward_f64_avx2(const gdn_fwd_call *call);
 void gdn_backward_f32_avx2(const gdn_bwd_call *call);
 void gdn_backward_f64_avx2(const gdn_bwd_call *call);
+void gdn_chunk_forward_f32_avx2(const gdn_fwd_call *call);
+void gdn_chunk_forward_f64_avx2(const gdn_fwd_call *call);
+void gdn_chunk_backward_f32_avx2(const gdn_bwd_call *call);
+void gdn_chunk_backward_f64_avx2(const gdn_bwd_call *call);
 void gdn_forward_f32_avx512(const gdn_fwd_call *call);     /* gdn_kernels_avx512.c */
 void gdn_forward_f64_avx512(const gdn_fwd_call *call);
 void gdn_backward_f32_avx512(const gdn_bwd_call *call);
 void gdn_backward_f64_avx512(const gdn_bwd_call *call);
+void gdn_chunk_forward_f32_avx512(const gdn_fwd_call *call);
+void gdn_chunk_forward_f64_avx512(const gdn_fwd_call *call);
+void gdn_chunk_backward_f32_avx512(const gdn_bwd_call *call);
+void gdn_chunk_backward_f64_avx512(const gdn_bwd_call *call);
 #endif
 
 /* The kernels of each level, in the order of isa_names. */
@@ -299,13 +312,21 @@ static const struct {
     void (*forward_f64)(const gdn_fwd_call *);
     void (*backward_f32)(const gdn_bwd_call *);
     void (*backward_f64)(const gdn_bwd_call *);
+    void (*chunk_forward_f32)(const gdn_fwd_call *);
+    void (*chunk_forward_f64)(const gdn_fwd_call *);
+    void (*chunk_backward_f32)(const gdn_bwd_call *);
+    void (*chunk_backward_f64)(const gdn_bwd_call *);
 } kernels[] = {
     {gdn_forward_f32_generic, gdn_forward_f64_generic, gdn_backward_f32_generic,
-     gdn_backward_f64_generic},
+     gdn_backward_f64_generic, gdn_chunk_forward_f32_generic, gdn_chunk_forward_f64_generic,
+     gdn_chunk_backward_f32_generic, gdn_chunk_backward_f64_generic},
 #if GDN_X86_DISPATCH
-    {gdn_forward_f32_avx2, gdn_forward_f64_avx2, gdn_backward_f32_avx2, gdn_backward_f64_avx2},
+    {gdn_forward_f32_avx2, gdn_forward_f64_avx2, gdn_backward_f32_avx2, gdn_backward_f64_avx2,
+     gdn_chunk_forward_f32_avx2, gdn_chunk_forward_f64_avx2, gdn_chunk_backward_f32_avx2,
+     gdn_chunk_backward_f64_avx2},
     {gdn_forward_f32_avx512, gdn_forward_f64_avx512, gdn_backward_f32_avx512,
-     gdn_backward_f64_avx512},
+     gdn_backward_f64_avx512, gdn_chunk_forward_f32_avx512, gdn_chunk_forward_f64_avx512,
+     gdn_chunk_backward_f32_avx512, gdn_chunk_backward_f64_avx512},
 #endif
 };
 
@@ -334,10 +355,38 @@ void gdn_init(void)
 
 const char *gdn_isa(void) { return isa_names[isa_level]; }
 
-void gdn_forward_f32(const gdn_fwd_call *call) { kernels[isa_level].forward_f32(call); }
-void gdn_forward_f64(const gdn_fwd_call *call) { kernels[isa_level].forward_f64(call); }
-void gdn_backward_f32(const gdn_bwd_call *call) { kernels[isa_level].backward_f32(call); }
-void gdn_backward_f64(const gdn_bwd_call *call) { kernels[isa_level].backward_f64(call); }
+/* sz->chunk > 0: the chunkwise form (gdn_chunk.inc), else the recurrence (gdn_recurrent.inc) */
+void gdn_forward_f32(const gdn_fwd_call *call)
+{
+    (call->sz->chunk > 0 ? kernels[isa_level].chunk_forward_f32 : kernels[isa_level].forward_f32)(call);
+}
+void gdn_forward_f64(const gdn_fwd_call *call)
+{
+    (call->sz->chunk > 0 ? kernels[isa_level].chunk_forward_f64 : kernels[isa_level].forward_f64)(call);
+}
+void gdn_backward_f32(const gdn_bwd_call *call)
+{
+    (call->sz->chunk > 0 ? kernels[isa_level].chunk_backward_f32 : kernels[isa_level].backward_f32)(call);
+}
+void gdn_backward_f64(const gdn_bwd_call *call)
+{
+    (call->sz->chunk > 0 ? kernels[isa_level].chunk_backward_f64 : kernels[isa_level].backward_f64)(call);
+}
+
+/* every instance pads to GDN_CHUNK_PAD: the portable one counts for all */
+size_t gdn_chunk_fwd_workspace_len(ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv)
+{
+    return with_slack(gdn_chunk_ws_f64_generic(C, Dk, Dv, 0, 0));
+}
+
+size_t gdn_chunk_bwd_workspace_len(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv)
+{
+    const ptrdiff_t nt = C > 0 ? (T + C - 1) / C : 0;
+    /* the states of nt chunks dominate; refuse sizes whose count would overflow */
+    if ((double)nt * (double)(Dk + GDN_CHUNK_PAD) * (double)(Dv + GDN_CHUNK_PAD) > (double)(SIZE_MAX / 16))
+        return SIZE_MAX;
+    return with_slack(gdn_chunk_ws_f64_generic(C, Dk, Dv, 1, nt));
+}
 
 #if GDN_X86_DISPATCH
 #define GDN_DISPATCH_RET(fn, ...)                                                                \

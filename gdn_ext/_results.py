@@ -8,7 +8,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 __all__ = ["GatedDeltaRuleOutput", "GatedDeltaRuleOutputWithCheckpoints", "GatedDeltaRuleGrads",
-           "GatedDeltaRuleGradsG", "StepResult", "LayerStepResult", "LayerGrads", "LayerCache",
+           "GatedDeltaRuleGradsG", "ChunkIntermediates", "StepResult", "LayerStepResult", "LayerGrads", "LayerCache",
            "describe"]
 
 Array = NDArray[np.floating[Any]]
@@ -127,6 +127,32 @@ class LayerCache(NamedTuple):
     eta: Array
     O: Array
     checkpoints: Array
+
+    def __repr__(self) -> str:
+        return _compact_repr(self)
+
+
+class ChunkIntermediates(NamedTuple):
+    """What ``gdn_ext.reference.chunk_gated_delta_rule(..., return_intermediates=True)`` returns:
+    the output, the final state and the pieces a chunk kernel is built from, by
+    flash-linear-attention's names and in its layouts (NT chunks of C tokens; the last chunk's
+    rows past T are zero):
+
+    - ``o`` [B, T, HV, Dv], ``S_T`` [B, HV, Dv, Dk] (gdn_ext's layout), as gated_delta_rule;
+    - ``g_cumsum`` [B, T, HV]: the log decay summed from the start of each chunk, G_i;
+    - ``A`` [B, HV, NT, C, C]: (I + strictly_lower(diag(beta) (K K^T o Gamma)))^-1, the UT
+      transform (unit lower-triangular);
+    - ``w`` [B, T, HV, Dk]: A diag(beta e^G) K;  ``u`` [B, T, HV, Dv]: A diag(beta) V;
+    - ``h`` [B, NT, HV, Dk, Dv]: the state entering each chunk, transposed (H = S^T);
+    - ``v_new`` [B, T, HV, Dv]: u - w H, what each token really writes."""
+    o: Array
+    S_T: Array
+    g_cumsum: Array
+    A: Array
+    w: Array
+    u: Array
+    h: Array
+    v_new: Array
 
     def __repr__(self) -> str:
         return _compact_repr(self)

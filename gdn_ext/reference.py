@@ -24,10 +24,12 @@ from numpy.typing import ArrayLike
 
 # only pure-Python siblings: the oracle must import when the compiled module is missing or broken
 from ._constants import L2_EPS
-from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, GatedDeltaRuleOutput
+from ._results import (ChunkIntermediates, GatedDeltaRuleGrads, GatedDeltaRuleGradsG,
+                       GatedDeltaRuleOutput)
 
 __all__ = ["batch_matvec", "batch_outer", "gate_memory", "l2norm", "l2norm_backward",
-           "gated_delta_rule", "gated_delta_rule_backward"]
+           "gated_delta_rule", "gated_delta_rule_backward", "segment_decay",
+           "chunk_gated_delta_rule"]
 
 
 def batch_matvec(S: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -246,3 +248,116 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     if g is None:
         return GatedDeltaRuleGrads(dq, dk, dv, dbeta, dalpha.reshape(P["gate_shape"]), dS0)
     return GatedDeltaRuleGradsG(dq, dk, dv, dbeta, (alpha * dalpha).reshape(P["gate_shape"]), dS0)
+
+
+def segment_decay(g: np.ndarray) -> np.ndarray:
+    """Gamma [..., C, C] from log decays g [..., C]: Gamma_ij = exp(g_{j+1} + ... + g_i), the
+    product of the gates of the tokens after j up to i, for i >= j (1 on the diagonal), 0 above
+    it. Summed by position rather than as exp(G_i - G_j) of cumulative sums, which is 0/0 --
+    (-inf) - (-inf) -- after a gate of exactly 0 and loses digits when G is large."""
+    C = g.shape[-1]
+    below = np.tril(np.ones((C, C), bool), -1)
+    # x[..., l, j] = g_l for l > j; summed down the rows, row i holds g_{j+1} + ... + g_i
+    seg = np.cumsum(np.where(below, g[..., :, None], 0.0), axis=-2)
+    return np.where(np.tril(np.ones((C, C), bool)), np.exp(seg), 0.0)
+
+
+def chunk_gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLike,
+                           g: ArrayLike, chunk_size: int = 64, scale: float = 1.0,
+                           initial_state: Optional[ArrayLike] = None, normalize_qk: bool = False,
+                           return_intermediates: bool = True,
+                           ) -> Union[ChunkIntermediates, GatedDeltaRuleOutput]:
+    """The chunkwise (WY / UT-transform) form of the gated delta rule in plain NumPy, one chunk of
+    ``chunk_size`` tokens at a time, for reading next to a chunk kernel of one's own.
+
+    The same function as :func:`gated_delta_rule` (scalar gate, given as the log decay ``g``),
+    computed as flash-linear-attention's ``chunk_gated_delta_rule`` does. Per chunk, with rows of
+    Q, K, V its C tokens, H = S^T the state entering it and Gamma = :func:`segment_decay` (g)::
+
+        G     = cumsum(g)                                   g_cumsum
+        A     = (I + strictly_lower(diag(beta) (K K^T o Gamma)))^-1   (forward substitution)
+        w     = A diag(beta e^G) K ;   u = A diag(beta) V
+        v_new = u - w H
+        o     = scale (diag(e^G) Q H + lower(Q K^T o Gamma) v_new)
+        H    <- e^{G_C} H + (diag(e^{G_C - G}) K)^T v_new
+
+    Parameters
+    ----------
+    q, k : array [B, T, H, Dk] (single-head: [B, T, Dk])
+    v : array [B, T, HV, Dv], HV a multiple of H (grouped value heads)
+    beta : array [B, T, HV]
+    g : array [B, T, HV]
+        Log decays (alpha = exp(g)); -inf is a gate of exactly 0.
+    chunk_size : int, default 64
+        C, tokens per chunk; T need not be a multiple of it.
+    scale, initial_state, normalize_qk
+        As :func:`gated_delta_rule` (initial_state in gdn_ext's layout [B, HV, Dv, Dk]).
+    return_intermediates : bool, default True
+        Return :class:`~gdn_ext.ChunkIntermediates` (o, S_T and the pieces g_cumsum, A, w, u, h,
+        v_new, whose layouts it lists); False: ``GatedDeltaRuleOutput(o, S_T)``.
+
+    Raises
+    ------
+    ValueError
+        chunk_size < 1, or a gate per key channel (this form's per-key variant needs sub-chunks;
+        use :func:`gated_delta_rule`).
+
+    Precision: the UT transform solves a triangular system whose condition grows with beta
+    ||k||^2 and the chunk size; in float64 it agrees with the recurrence to about 1e-13 for
+    normalised keys. Unchecked otherwise, slow, float64 unless every input is float32.
+
+    Source: S. Yang, B. Wang, Y. Zhang, Y. Shen, Y. Kim, "Parallelizing Linear Transformers with
+    the Delta Rule over Sequence Length", NeurIPS 2024 (arXiv:2406.06484), section 3; with the
+    gate as in S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks", ICLR 2025, section 3.
+    """
+    if int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    C = int(chunk_size)
+    P = _prepare(q, k, v, beta, None, g, initial_state, normalize_qk)
+    dt, v, beta = P["dt"], P["v"], P["beta"]
+    gl = np.log(P["alpha"]) if np.ndim(g) == 0 else np.asarray(g, dt).reshape(beta.shape)
+    if gl.shape != beta.shape:
+        raise ValueError(f"g must have one log decay per head, shape {beta.shape}; got "
+                         f"{np.shape(g)} (a gate per key channel: use gated_delta_rule)")
+    qr, kr = P["q_rep"], P["k_rep"]
+    B, T, HV, Dv = v.shape
+    Dk = qr.shape[-1]
+    NT = -(-T // C)
+    pad = NT * C - T
+    # [B, HV, NT, C, D] chunks; padded tokens have k = v = 0, beta = 0, g = 0: they write nothing
+    def chunks(x):
+        x = np.concatenate([x, np.zeros((B, pad) + x.shape[2:], dt)], axis=1)
+        x = x.reshape((B, NT, C) + x.shape[2:])
+        return np.moveaxis(x, 3, 1)
+    Q, K, V, b, gc = chunks(qr), chunks(kr), chunks(v), chunks(beta), chunks(gl)
+    G = np.cumsum(gc, axis=-1)                                      # [B, HV, NT, C]
+    Gam = segment_decay(gc)                                         # [B, HV, NT, C, C]
+    eye = np.eye(C, dtype=dt)
+    Araw = np.tril(b[..., None] * (K @ np.swapaxes(K, -1, -2)) * Gam, -1)
+    A = np.linalg.solve(eye + Araw, np.broadcast_to(eye, Araw.shape))   # (I + A)^-1
+    w = A @ ((b * np.exp(G))[..., None] * K)
+    u = A @ (b[..., None] * V)
+    Hs = np.zeros((B, HV, Dk, Dv), dt) if P["S0"] is None else np.swapaxes(P["S0"], -1, -2)
+    h = np.empty((B, HV, NT, Dk, Dv), dt)
+    o = np.empty((B, HV, NT, C, Dv), dt)
+    v_new = np.empty_like(u)
+    for n in range(NT):
+        h[:, :, n] = Hs
+        vn = u[:, :, n] - w[:, :, n] @ Hs
+        v_new[:, :, n] = vn
+        Qn, Kn, Gn = Q[:, :, n], K[:, :, n], G[:, :, n]
+        P_ = np.tril(Qn @ np.swapaxes(Kn, -1, -2)) * Gam[:, :, n]
+        o[:, :, n] = scale * (np.exp(Gn)[..., None] * (Qn @ Hs) + P_ @ vn)
+        last = Gam[:, :, n][..., -1, :]                             # e^{G_C - G_j}
+        Hs = np.exp(Gn[..., -1])[..., None, None] * Hs + np.swapaxes(last[..., None] * Kn, -1, -2) @ vn
+
+    def tokens(x):                                                  # [B, HV, NT, C, D] -> [B, T, HV, D]
+        return np.moveaxis(x, 1, 3).reshape((B, NT * C, HV) + x.shape[4:])[:, :T]
+    o_t, S_T = tokens(o), np.swapaxes(Hs, -1, -2)
+    if P["single"]:
+        o_t, S_T = o_t[:, :, 0], S_T[:, 0]
+    if not return_intermediates:
+        return GatedDeltaRuleOutput(o_t, S_T)
+    g_cum = tokens(G[..., None])[..., 0]
+    return ChunkIntermediates(o_t, S_T, g_cum, A, tokens(w), tokens(u), np.moveaxis(h, 2, 1),
+                              tokens(v_new))
