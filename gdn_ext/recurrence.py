@@ -13,6 +13,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ._native import _core
 from ._checks import as_real_array, converted, expect_shape, flag, sequence_length, warn
+from ._algorithm import check_algorithm, chunk_for
 from ._problem import _Problem
 from ._threads import pieces, run_pieces, thread_count, threads
 from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, GatedDeltaRuleOutput,
@@ -25,6 +26,7 @@ __all__ = ["threads", "gated_delta_rule", "gated_delta_rule_backward", "gated_de
 
 Array = NDArray[Any]
 CuSeqlens = Union[ArrayLike, Sequence[int], None]
+Algorithm = Literal["auto", "chunk", "recurrent"]
 
 
 def openmp_enabled() -> bool:
@@ -43,13 +45,14 @@ def checkpoint_interval(T: int) -> int:
     return int(_core.checkpoint_interval(sequence_length(T)))
 
 
-def _call(ufunc, args, out, num_threads):
+def _call(ufunc, args, out, num_threads, chunk=0):
     """Run a gufunc as one call (its casts and all its inner-loop calls; Ctrl-C on the main
-    thread stops it as a whole); NumPy's floating-point warnings (errstate "warn") are issued at
-    the caller's line instead of this one."""
+    thread stops it as a whole), in the chunkwise form with chunks of ``chunk`` tokens (0: the
+    recurrence); NumPy's floating-point warnings (errstate "warn") are issued at the caller's
+    line instead of this one."""
     try:
         # inside the try: a KeyboardInterrupt right after it returns still ends the call
-        _core._call_begin(num_threads)
+        _core._call_begin(num_threads, chunk)
         err = np.geterr()
         modes = set(err.values())
         if "warn" in modes and not modes & {"call", "log"}:
@@ -76,14 +79,32 @@ def _step_out(p, out):
     return p.state_view(out)
 
 
-def _forward(p, num_threads, checkpoints=False):
+def _chunk(p, algorithm, chunk_size):
+    """The chunk size the checked problem runs with (0: the recurrence), by _algorithm's rule;
+    for "auto" that reads the largest beta_t ||k_t||^2 when the UT transform's condition depends
+    on it (the delta rule, keys not normalised)."""
+    algorithm, chunk_size = check_algorithm(algorithm, chunk_size)
+    beta_k2 = None
+    if (algorithm == "auto" and p.delta_rule and not p.per_key and p.max_len > 0
+            and p.T * p.HV > 0):
+        if p.normalize_qk:                         # ||k||^2 < 1
+            beta_k2 = float(np.max(p.beta))
+        else:
+            k2 = np.einsum("bhxtd,bhxtd->bhxt", p.k, p.k)   # [B, H, 1, T]
+            beta_k2 = float(np.max(p.beta * k2))          # beta [B, H, G, T]
+    return chunk_for(algorithm, chunk_size, per_key=p.per_key, max_len=p.max_len,
+                     beta_k2=beta_k2)
+
+
+def _forward(p, num_threads, checkpoints=False, chunk=0):
     """Run the forward of a checked problem; returns (o [B, T, HV, Dv], S_T in the state shape)
-    and, with checkpoints=True, the checkpoints in their user shape."""
+    and, with checkpoints=True, the checkpoints in their user shape (the recurrence writes them,
+    whatever ``chunk``)."""
     o, o_k = p.new_seq(p.Dv)
     S_T, S_T_k = p.new_state()
     args = (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args()
     if not checkpoints:
-        _call(p.ufunc("fwd"), args, (o_k, S_T_k), num_threads)
+        _call(p.ufunc("fwd"), args, (o_k, S_T_k), num_threads, chunk)
         return o, S_T
     # packed: zeros in the slots past a shorter sequence's own count (the kernel writes the rest)
     ck = (np.zeros if p.packed else np.empty)(p.ckpt_shape(), p.dtype)
@@ -100,7 +121,8 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                      output_final_state: Literal[True] = True, num_threads: Optional[int] = None,
                      normalize_qk: bool = False, cu_seqlens: CuSeqlens = None,
                      return_checkpoints: Literal[False] = False, check_values: bool = True,
-                     delta_rule: bool = True) -> GatedDeltaRuleOutput: ...
+                     delta_rule: bool = True, algorithm: Algorithm = "auto",
+                     chunk_size: Optional[int] = None) -> GatedDeltaRuleOutput: ...
 @overload  # noqa: E302
 def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLike,
                      alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
@@ -108,7 +130,8 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                      output_final_state: Literal[True] = True, num_threads: Optional[int] = None,
                      normalize_qk: bool = False, cu_seqlens: CuSeqlens = None,
                      return_checkpoints: Literal[True], check_values: bool = True,
-                     delta_rule: bool = True) -> GatedDeltaRuleOutputWithCheckpoints: ...
+                     delta_rule: bool = True, algorithm: Algorithm = "auto",
+                     chunk_size: Optional[int] = None) -> GatedDeltaRuleOutputWithCheckpoints: ...
 @overload  # noqa: E302
 def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLike,
                      alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
@@ -116,7 +139,8 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                      output_final_state: bool = True, num_threads: Optional[int] = None,
                      normalize_qk: bool = False, cu_seqlens: CuSeqlens = None,
                      return_checkpoints: bool = False, check_values: bool = True,
-                     delta_rule: bool = True,
+                     delta_rule: bool = True, algorithm: Algorithm = "auto",
+                     chunk_size: Optional[int] = None,
                      ) -> Union[Tuple[Array, Optional[Array]], Tuple[Array, Optional[Array], Array]]:
     ...
 
@@ -127,7 +151,8 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                      output_final_state: bool = True, num_threads: Optional[int] = None,
                      normalize_qk: bool = False, cu_seqlens: CuSeqlens = None,
                      return_checkpoints: bool = False, check_values: bool = True,
-                     delta_rule: bool = True,
+                     delta_rule: bool = True, algorithm: Algorithm = "auto",
+                     chunk_size: Optional[int] = None,
                      ) -> Union[Tuple[Array, Optional[Array]], Tuple[Array, Optional[Array], Array]]:
     """The gated delta rule recurrence (Gated DeltaNet's token mixer), computed in C.
 
@@ -191,6 +216,19 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
         scalar decay as in Mamba2 / RetNet or a per-key decay as in GLA (alpha or g), next to
         DeltaNet (alpha = 1), Gated DeltaNet and Kimi Delta Attention's per-key-gated delta rule
         (delta_rule=True). Same cost.
+    algorithm : {"auto", "chunk", "recurrent"}, default "auto"
+        How to compute it; the function is the same, the rounding and the speed differ.
+        "recurrent" walks the tokens one by one. "chunk" runs the chunkwise form (the WY / UT
+        transform of Yang et al., NeurIPS 2024, sec. 3): per chunk of ``chunk_size`` tokens a
+        unit lower-triangular solve and small matrix products, the state read and written once
+        per chunk; a gate per key channel has no chunkwise kernel and runs the recurrence.
+        "auto" takes the chunkwise form for a gate of one number per token and sequences of at
+        least 64 tokens, unless, with the delta rule and keys not normalised, some
+        beta_t ||k_t||^2 exceeds 2 (where the triangular solve amplifies rounding; user guide,
+        "Floating point"). With ``return_checkpoints=True`` the recurrence runs (the
+        checkpoints are its states).
+    chunk_size : int or None, default None
+        Tokens per chunk of the chunkwise form, 1 to 256; None: 32. T need not be a multiple.
     check_values : bool, default True
         Warn (UserWarning, at the caller's line) when alpha is outside [0, 1], g above 0, or T < H
         with 1 < T (q may be head-first [B, H, T, D]); with the delta rule also when beta is
@@ -226,7 +264,8 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
         Wrong ranks or mismatched sizes (the message names the argument and the expected shape),
         HV not a multiple of H, both or neither of alpha and g, a non-finite scale,
         num_threads < 1, a cu_seqlens that does not start at 0, decreases, does not end at T, or
-        comes with B != 1.
+        comes with B != 1, an algorithm other than "auto", "chunk", "recurrent", a chunk_size
+        outside [1, 256].
 
     Notes
     -----
@@ -243,11 +282,12 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     return_checkpoints = flag(return_checkpoints, "return_checkpoints")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
                  check_values=check_values, delta_rule=delta_rule, num_threads=asked)
+    chunk = _chunk(p, algorithm, chunk_size)
     if return_checkpoints:
         o, S_T, ck = _forward(p, asked, checkpoints=True)
         return GatedDeltaRuleOutputWithCheckpoints(p.user_seq(o),
                                                    S_T if output_final_state else None, ck)
-    o, S_T = _forward(p, asked)
+    o, S_T = _forward(p, asked, chunk=chunk)
     return GatedDeltaRuleOutput(p.user_seq(o), S_T if output_final_state else None)
 
 
@@ -260,6 +300,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
                               num_threads: Optional[int] = None, normalize_qk: bool = False,
                               cu_seqlens: CuSeqlens = None, checkpoints: Optional[Array] = None,
                               check_values: bool = True, delta_rule: bool = True,
+                              algorithm: Algorithm = "auto", chunk_size: Optional[int] = None,
                               ) -> GatedDeltaRuleGrads: ...
 @overload  # noqa: E302
 def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
@@ -269,6 +310,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
                               num_threads: Optional[int] = None, normalize_qk: bool = False,
                               cu_seqlens: CuSeqlens = None, checkpoints: Optional[Array] = None,
                               check_values: bool = True, delta_rule: bool = True,
+                              algorithm: Algorithm = "auto", chunk_size: Optional[int] = None,
                               ) -> GatedDeltaRuleGradsG: ...
 
 
@@ -280,6 +322,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
                               num_threads: Optional[int] = None, normalize_qk: bool = False,
                               cu_seqlens: CuSeqlens = None, checkpoints: Optional[Array] = None,
                               check_values: bool = True, delta_rule: bool = True,
+                              algorithm: Algorithm = "auto", chunk_size: Optional[int] = None,
                               ) -> Union[GatedDeltaRuleGrads, GatedDeltaRuleGradsG]:
     """Gradients of :func:`gated_delta_rule` (backpropagation through time, in C).
 
@@ -315,6 +358,11 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
         not otherwise checked.
     check_values, delta_rule : bool, default True
         As for :func:`gated_delta_rule`.
+    algorithm, chunk_size
+        As for :func:`gated_delta_rule`: the chunkwise form's backward walks the chunks in
+        reverse from the states entering them, which it computes first (ceil(T / chunk_size)
+        states per pair in flight instead of the recurrence's checkpoints). With
+        ``checkpoints=`` the recurrence runs.
 
     Returns
     -------
@@ -346,8 +394,9 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     else:
         args += (_checked_ckpt(p, checkpoints, initial_state),)
         ufunc = p.ufunc("bwd_ckpt")
+    chunk = _chunk(p, algorithm, chunk_size)
     grads, views = _new_grads(p)
-    _call(ufunc, args, views, asked)
+    _call(ufunc, args, views, asked, 0 if checkpoints is not None else chunk)
     return _user_grads(p, *grads)
 
 

@@ -160,8 +160,8 @@ def _prepare(q, k, v, beta, alpha, g, initial_state, normalize_qk, extra=()):
     G = v.shape[2] // q.shape[2] if q.shape[2] else 1
     qn, kn = (l2norm(q), l2norm(k)) if normalize_qk else (q, k)
     q_rep, k_rep = np.repeat(qn, G, axis=2), np.repeat(kn, G, axis=2)
-    return dict(dt=dt, single=single, q=q, k=k, v=v, beta=beta, alpha=alpha, S0=S0, G=G,
-                q_rep=q_rep, k_rep=k_rep, gate_shape=np.shape(gate_in), beta_shape=beta_shape)
+    return dict(dt=dt, single=single, q=q, k=k, v=v, beta=beta, alpha=alpha, gate=gate, S0=S0,
+                G=G, q_rep=q_rep, k_rep=k_rep, gate_shape=np.shape(gate_in), beta_shape=beta_shape)
 
 
 def _sequences(T, cu_seqlens):
@@ -315,7 +315,7 @@ def chunk_gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: Ar
     C = int(chunk_size)
     P = _prepare(q, k, v, beta, None, g, initial_state, normalize_qk)
     dt, v, beta = P["dt"], P["v"], P["beta"]
-    gl = np.log(P["alpha"]) if np.ndim(g) == 0 else np.asarray(g, dt).reshape(beta.shape)
+    gl = np.broadcast_to(P["gate"], beta.shape) if np.ndim(P["gate"]) < beta.ndim else P["gate"]
     if gl.shape != beta.shape:
         raise ValueError(f"g must have one log decay per head, shape {beta.shape}; got "
                          f"{np.shape(g)} (a gate per key channel: use gated_delta_rule)")

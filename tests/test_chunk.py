@@ -1,0 +1,303 @@
+"""The chunkwise (WY / UT-transform) form: against the recurrence, finite differences and the
+NumPy reference of the chunk form, on the inputs chunk kernels get wrong; auto's choice."""
+import numpy as np
+import pytest
+
+import gdn_ext
+from gdn_ext import reference
+from gdn_ext._algorithm import AUTO_MAX_BETA_K2, AUTO_MIN_LEN, DEFAULT_CHUNK_SIZE
+from helpers import assert_rel_close, central_differences
+
+FIELDS = ("o", "S_T", "dq", "dk", "dv", "dbeta", "dgate", "d_initial_state")
+
+
+def problem(rng, B=2, T=75, H=2, HV=None, Dk=20, Dv=12, dtype=np.float64, key_norm=1.0,
+            beta=(0.0, 1.0), g=(-1.0, 0.0)):
+    """q, k, v, beta, g, S_0, do, dS_T; keys of norm key_norm (None: raw normal draws)."""
+    HV = H if HV is None else HV
+    q = rng.standard_normal((B, T, H, Dk))
+    k = rng.standard_normal((B, T, H, Dk))
+    if key_norm is not None:
+        k *= key_norm / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, HV, Dv))
+    b = rng.uniform(*beta, (B, T, HV))
+    gl = rng.uniform(*g, (B, T, HV))
+    S0 = rng.standard_normal((B, HV, Dv, Dk))
+    do = rng.standard_normal((B, T, HV, Dv))
+    dST = rng.standard_normal((B, HV, Dv, Dk))
+    cast = lambda x: x.astype(dtype)  # noqa: E731
+    return dict(q=cast(q), k=cast(k), v=cast(v), beta=cast(b), g=cast(gl), initial_state=cast(S0),
+                do=cast(do), dS_T=cast(dST))
+
+
+def run(P, algorithm, chunk_size=None, gate="g", **kw):
+    """Forward and backward with one algorithm: a dict of every result by FIELDS."""
+    P = dict(P)
+    do, dST = P.pop("do"), P.pop("dS_T")
+    q, k, v = P.pop("q"), P.pop("k"), P.pop("v")
+    if gate == "alpha":
+        P["alpha"] = np.exp(P.pop("g"))
+    kw = dict(P, algorithm=algorithm, chunk_size=chunk_size, **kw)
+    o, S_T = gdn_ext.gated_delta_rule(q, k, v, **kw)
+    grads = gdn_ext.gated_delta_rule_backward(do, q, k, v, dS_T=dST, **kw)
+    return dict(zip(FIELDS, (o, S_T) + tuple(grads)))
+
+
+def assert_agree(a, b, rtol, what=""):
+    for name in FIELDS:
+        assert_rel_close(a[name], b[name], rtol, f"{what} {name}")
+
+
+@pytest.mark.parametrize("T", [1, 2, 31, 32, 33, 63, 65, 75, 127, 130])
+@pytest.mark.parametrize("chunk_size", [1, 16, 32, 64])
+def test_lengths_and_chunks_float64(T, chunk_size):
+    """T not a multiple of the chunk (the short last chunk adds nothing), T = 1, chunk 1."""
+    P = problem(np.random.default_rng(T * 7 + chunk_size), T=T, Dk=9, Dv=7)
+    assert_agree(run(P, "chunk", chunk_size), run(P, "recurrent"), 1e-12, f"T={T}")
+
+
+HARD = {
+    # g down to -100 and exactly -inf (a gate of 0: no 0 / 0 from cumulative products)
+    "g=-100": dict(g=(-100.0, -20.0)),
+    "g=-inf": dict(g=(-1.0, -0.5)),   # with -inf in the middle of a chunk (below)
+    "alpha=1": dict(g=(0.0, 0.0)),
+    "beta in [0, 2]": dict(beta=(0.0, 2.0)),
+    "beta=0": dict(beta=(0.0, 0.0)),
+    # unnormalised keys with norms up to 10, beta keeping beta ||k||^2 <= 2
+    "|k|=10": dict(key_norm=10.0, beta=(0.0, 0.02)),
+    "|k|=3, beta ||k||^2 up to 1.8": dict(key_norm=3.0, beta=(0.0, 0.2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HARD))
+@pytest.mark.parametrize("gate", ["g", "alpha"])
+def test_hard_inputs_float64(case, gate):
+    P = problem(np.random.default_rng(len(case)), T=75, **HARD[case])
+    if case == "g=-inf":
+        P["g"][:, 10:14] = -np.inf
+        P["g"][:, 14:] = np.log(0.9)
+    assert_agree(run(P, "chunk", 32, gate=gate), run(P, "recurrent", gate=gate), 1e-12, case)
+
+
+def test_mixed_gates_of_zero_and_one_float64():
+    P = problem(np.random.default_rng(5), T=70)
+    P["g"][:, ::7] = -np.inf
+    P["g"][:, 3::7] = 0.0
+    assert_agree(run(P, "chunk", 16), run(P, "recurrent"), 1e-12)
+
+
+def test_zero_rows_float64():
+    P = problem(np.random.default_rng(6), T=40)
+    P["k"][:, 5:9] = 0
+    P["q"][:, 20:30] = 0
+    P["v"][:, 30:] = 0
+    assert_agree(run(P, "chunk", 16), run(P, "recurrent"), 1e-12)
+
+
+@pytest.mark.parametrize("variant", ["grouped", "normalize_qk", "linear", "no_state", "Dk!=Dv",
+                                     "wide", "scale"])
+def test_variants_float64(variant):
+    rng = np.random.default_rng(len(variant))
+    kw, shape = {}, {}
+    if variant == "grouped":
+        shape = dict(H=2, HV=6)
+    elif variant == "Dk!=Dv":
+        shape = dict(Dk=33, Dv=5)
+    elif variant == "wide":
+        shape = dict(Dk=64, Dv=80, T=70, B=1, H=1)
+    P = problem(rng, key_norm=None if variant == "normalize_qk" else 1.0, **shape)
+    if variant == "normalize_qk":
+        kw["normalize_qk"] = True
+    elif variant == "linear":
+        kw["delta_rule"] = False
+    elif variant == "no_state":
+        P["initial_state"] = None
+    elif variant == "scale":
+        kw["scale"] = 0.125
+    assert_agree(run(P, "chunk", 16, **kw), run(P, "recurrent", **kw), 1e-12, variant)
+
+
+def test_packed_sequences_float64():
+    """cu_seqlens with sequences of 1 token, an empty one, and ones that end mid-chunk."""
+    rng = np.random.default_rng(8)
+    cu = np.array([0, 1, 1, 17, 18, 50, 83])
+    P = problem(rng, B=1, T=83)
+    P["initial_state"] = rng.standard_normal((6, 2, 12, 20))
+    P["dS_T"] = rng.standard_normal((6, 2, 12, 20))
+    for normalize in (False, True):
+        a = run(P, "chunk", 16, cu_seqlens=cu, normalize_qk=normalize)
+        b = run(P, "recurrent", cu_seqlens=cu, normalize_qk=normalize)
+        assert_agree(a, b, 1e-12, f"normalize_qk={normalize}")
+
+
+def test_strided_inputs_float64():
+    """Non-contiguous views (a transposed layout, every other token) give the contiguous result."""
+    rng = np.random.default_rng(9)
+    P = problem(rng, T=150)
+    strided = {}
+    for n, x in P.items():
+        if n in ("q", "k", "v", "do"):   # [B, T, H, D] stored as [B, H, D, T], every other token
+            y = np.ascontiguousarray(np.moveaxis(x, 1, -1).repeat(2, axis=-1))
+            strided[n] = np.moveaxis(y, -1, 1)[:, ::2]
+            assert not strided[n].flags.c_contiguous
+        else:
+            strided[n] = x
+    a, b = run(strided, "chunk", 32), run(P, "chunk", 32)
+    for name in FIELDS:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bitwise_across_thread_counts(dtype):
+    P = problem(np.random.default_rng(10), B=3, T=100, H=2, Dk=16, Dv=16, dtype=dtype)
+    ref = run(P, "chunk", 32, num_threads=1)
+    for nt in (2, 3, 5):
+        got = run(P, "chunk", 32, num_threads=nt)
+        for name in FIELDS:
+            np.testing.assert_array_equal(got[name], ref[name], err_msg=f"{name}, {nt} threads")
+
+
+def _loss(P, do, dST, **kw):
+    o, S_T = gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], beta=P["beta"], g=P["g"],
+                                      initial_state=P["initial_state"], **kw)
+    return np.sum(o * do) + np.sum(S_T * dST)
+
+
+@pytest.mark.parametrize("kw", [{}, {"normalize_qk": True}, {"delta_rule": False}],
+                         ids=["delta", "normalize_qk", "linear"])
+def test_central_finite_differences(kw):
+    """Every gradient of the chunk form, every element, against central differences in float64
+    (T = 11 with chunks of 4: two whole chunks and a short one)."""
+    rng = np.random.default_rng(11)
+    P = problem(rng, B=1, T=11, H=2, Dk=3, Dv=4, key_norm=None if kw else 1.0)
+    do, dST = P.pop("do"), P.pop("dS_T")
+    kw = dict(kw, algorithm="chunk", chunk_size=4, scale=0.7)
+    grads = gdn_ext.gated_delta_rule_backward(do, P["q"], P["k"], P["v"], beta=P["beta"],
+                                              g=P["g"], initial_state=P["initial_state"],
+                                              dS_T=dST, **kw)
+    numeric = central_differences(lambda x: _loss(x, do, dST, **kw), P)
+    field = dict(q="dq", k="dk", v="dv", beta="dbeta", g="dg", initial_state="d_initial_state")
+    for name, num in numeric.items():
+        assert_rel_close(getattr(grads, field[name]), num, 1e-7, name)
+
+
+def test_float32_error_within_a_small_factor_of_the_recurrences():
+    """On well-scaled inputs the float32 chunk form's error against float64 is within 5x the
+    float32 recurrence's, output and every gradient. Measured here: o, S_T, dS_0 1.0-1.9x,
+    dv, dbeta, dg 1.4-3.3x, dk 2.7-3.7x (its sums are regrouped per chunk: products of
+    partial sums of up to C terms, each larger than the result)."""
+    P64 = problem(np.random.default_rng(12), B=2, T=512, H=2, Dk=64, Dv=64, g=(-0.2, 0.0))
+    P32 = {n: (None if x is None else x.astype(np.float32)) for n, x in P64.items()}
+    truth = run(P64, "recurrent")
+    rec = run(P32, "recurrent")
+    for C in (16, 32, 64):
+        chk = run(P32, "chunk", C)
+        for name in FIELDS:
+            scale = np.max(np.abs(truth[name]))
+            e_rec = np.max(np.abs(rec[name] - truth[name])) / scale
+            e_chk = np.max(np.abs(chk[name] - truth[name])) / scale
+            assert e_chk <= 5 * e_rec, f"C={C} {name}: {e_chk:.2e} vs {e_rec:.2e}"
+
+
+def test_auto_picks_by_the_documented_rule():
+    rng = np.random.default_rng(13)
+    long = problem(rng, T=AUTO_MIN_LEN)
+    short = problem(rng, T=AUTO_MIN_LEN - 1)
+
+    def same(a, b):
+        return all(np.array_equal(a[n], b[n]) for n in FIELDS)
+    # a different rounding tells the forms apart
+    assert not same(run(long, "chunk"), run(long, "recurrent"))
+    assert same(run(long, "auto"), run(long, "chunk", DEFAULT_CHUNK_SIZE))
+    assert same(run(short, "auto"), run(short, "recurrent"))
+    # an ill-conditioned UT transform (beta ||k||^2 above the bound at one token): the recurrence
+    bad = dict(long)
+    bad["beta"] = long["beta"].copy()
+    bad["k"] = long["k"].copy()
+    bad["k"][0, 40, 0] *= 2.0
+    bad["beta"][0, 40, 0] = AUTO_MAX_BETA_K2 / 4 + 0.01
+    assert same(run(bad, "auto"), run(bad, "recurrent"))
+    # ... unless the keys are normalised in the kernel (||k|| < 1: beta alone decides)
+    assert same(run(bad, "auto", normalize_qk=True), run(bad, "chunk", normalize_qk=True))
+    # without the delta rule there is no solve: the chunk form
+    assert same(run(bad, "auto", delta_rule=False), run(bad, "chunk", delta_rule=False))
+    # a per-key gate has no chunkwise kernel: "chunk" runs the recurrence
+    gk = dict(long)
+    gk["g"] = np.repeat(long["g"][..., None], 20, axis=-1) * np.linspace(0.5, 1.5, 20)
+    assert same(run(gk, "chunk"), run(gk, "recurrent"))
+
+
+def test_ill_conditioned_float32_auto_stays_accurate():
+    """Keys of norm 3 with beta up to 1 (beta ||k||^2 up to 9): the chunk form's float32 error
+    grows past the recurrence's; auto runs the recurrence and keeps its accuracy."""
+    P64 = problem(np.random.default_rng(14), B=1, T=256, H=2, Dk=32, Dv=32, key_norm=3.0,
+                  beta=(0.5, 1.0), g=(-3.0, -2.0))
+    P32 = {n: x.astype(np.float32) for n, x in P64.items()}
+    truth = run(P64, "recurrent")
+    auto, rec = run(P32, "auto"), run(P32, "recurrent")
+    for name in FIELDS:
+        np.testing.assert_array_equal(auto[name], rec[name], err_msg=name)
+        assert_rel_close(rec[name], truth[name], 1e-4, name)
+
+
+@pytest.mark.parametrize("bad,err", [
+    (dict(algorithm="fast"), ValueError), (dict(algorithm=None), TypeError),
+    (dict(chunk_size=0), ValueError), (dict(chunk_size=257), ValueError),
+    (dict(chunk_size=16.0), TypeError), (dict(chunk_size=True), TypeError)])
+def test_bad_arguments(bad, err):
+    P = problem(np.random.default_rng(15), T=8)
+    name = next(iter(bad))
+    with pytest.raises(err, match=name):
+        gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], beta=P["beta"], g=P["g"], **bad)
+    with pytest.raises(err, match=name):
+        gdn_ext.gated_delta_rule_backward(P["do"], P["q"], P["k"], P["v"], beta=P["beta"],
+                                          g=P["g"], **bad)
+
+
+def test_inputs_not_modified():
+    P = problem(np.random.default_rng(16), T=70)
+    before = {n: x.copy() for n, x in P.items()}
+    run(P, "chunk", 16, normalize_qk=True)
+    for n in P:
+        np.testing.assert_array_equal(P[n], before[n], err_msg=n)
+
+
+# ---- the NumPy reference of the chunk form ----------------------------------------------------
+
+@pytest.mark.parametrize("T,C", [(1, 4), (75, 16), (64, 64), (70, 32)])
+def test_reference_chunk_form_matches_the_recurrence(T, C):
+    rng = np.random.default_rng(T + C)
+    P = problem(rng, T=T, H=2, HV=4)
+    P["g"][:, T // 2] = -np.inf
+    kw = dict(beta=P["beta"], g=P["g"], initial_state=P["initial_state"], scale=0.5)
+    got = reference.chunk_gated_delta_rule(P["q"], P["k"], P["v"], chunk_size=C, **kw)
+    want = reference.gated_delta_rule(P["q"], P["k"], P["v"], **kw)
+    assert_rel_close(got.o, want.o, 1e-12, "o")
+    assert_rel_close(got.S_T, want.S_T, 1e-12, "S_T")
+    # the pieces are what they are documented to be
+    B, _, HV, Dv = P["v"].shape
+    NT = -(-T // C)
+    assert got.A.shape == (B, HV, NT, C, C) and got.h.shape == (B, NT, HV, 20, Dv)
+    assert np.allclose(np.triu(got.A, 1), 0) and np.allclose(np.diagonal(got.A, 0, -2, -1), 1)
+    m = min(C, T)
+    vn = got.u[:, :m] - np.einsum("bthk,bhkv->bthv", got.w[:, :m], got.h[:, 0])
+    assert_rel_close(got.v_new[:, :m], vn, 1e-12, "v_new = u - w h")
+    np.testing.assert_array_equal(np.swapaxes(got.h[:, 0], -1, -2), P["initial_state"])
+    np.testing.assert_allclose(got.g_cumsum[:, :m], np.cumsum(P["g"][:, :m], axis=1))
+
+
+def test_reference_segment_decay_after_a_gate_of_zero():
+    g = np.array([-0.5, -np.inf, -0.25, -1.0])
+    G = reference.segment_decay(g)
+    assert not np.isnan(G).any()
+    assert G[3, 2] == np.exp(-1.0) and G[2, 0] == 0 and G[3, 3] == 1 and G[0, 1] == 0
+
+
+def test_reference_refuses_per_key_gates_and_bad_chunks():
+    P = problem(np.random.default_rng(17), T=8)
+    with pytest.raises(ValueError, match="chunk_size"):
+        reference.chunk_gated_delta_rule(P["q"], P["k"], P["v"], beta=P["beta"], g=P["g"],
+                                         chunk_size=0)
+    with pytest.raises(ValueError, match="per key"):
+        reference.chunk_gated_delta_rule(P["q"], P["k"], P["v"], beta=P["beta"],
+                                         g=np.repeat(P["g"][..., None], 20, axis=-1))
