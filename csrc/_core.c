@@ -33,6 +33,7 @@ static GDN_THREAD_LOCAL int call_threads = 0;
 /* Tokens per chunk of the chunkwise form for the checked call open on this OS thread (0: the
  * recurrence). Set with the thread count by _call_begin; bare gufunc calls run the recurrence. */
 static GDN_THREAD_LOCAL ptrdiff_t call_chunk = 0;
+static GDN_THREAD_LOCAL int call_chunk_auto = 0;   /* per pair, where the chunkwise form suits */
 
 /* This OS thread's calls (see "calls and Ctrl-C" below). */
 typedef struct {
@@ -41,6 +42,7 @@ typedef struct {
     gdn_cancel_flag cancel;   /* the main thread's call: set by on_sigint */
     int saved_threads[8];     /* call_threads before each open call (_call_begin) */
     ptrdiff_t saved_chunk[8]; /* call_chunk likewise */
+    int saved_auto[8];        /* call_chunk_auto likewise */
 } call_state;
 static GDN_THREAD_LOCAL call_state this_call;
 
@@ -595,7 +597,8 @@ static int call_sizes(gdn_sizes *sz, const loop_operands *L, const loop_kind *ki
                       .dalpha_summed = !kind->general,
                       /* the chunkwise form: asked for, a gate of one number per token (key stride
                        * 0), no checkpoints to hand over */
-                      .chunk = call_chunk > 0 && !kind->ckpt && in->a_k == 0 ? call_chunk : 0};
+                      .chunk = call_chunk > 0 && !kind->ckpt && in->a_k == 0 ? call_chunk : 0,
+                      .chunk_auto = call_chunk_auto};
     if (kind->general)
         return check_packed(arg(L, R_CU), in->cu_n, in->cu_m, dims, kind->ckpt, &sz->max_len);
     return kind->ckpt ? check_ckpt_count(dims[4], sz->T) : 0;
@@ -630,7 +633,7 @@ static void fwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
             .o = arg(&L, R_O), .S_T = arg(&L, R_ST), .ckpt = arg(&L, R_CK),
             .st = &st, .sz = &sz, .num_threads = nt};
         const kernel_job job = {.fwd = &call, .f64 = kind->f64};
-        const size_t wlen = sz.chunk ? gdn_chunk_fwd_workspace_len(sz.chunk, sz.Dk, sz.Dv)
+        const size_t wlen = sz.chunk ? gdn_chunk_fwd_workspace_len(&sz)
                                      : gdn_fwd_workspace_len(sz.max_len, sz.Dk, sz.Dv);
         run_with_workspace(nt, wlen, L.is[0],
                            arg(&L, R_S0) == arg(&L, R_ST), &sz, &job);
@@ -675,7 +678,7 @@ static void bwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
             .dalpha = arg(&L, R_DA), .dbeta = arg(&L, R_DB), .dS_0 = arg(&L, R_DS0),
             .st = &st, .sz = &sz, .num_threads = nt};
         const kernel_job job = {.bwd = &call, .f64 = kind->f64};
-        const size_t wlen = sz.chunk ? gdn_chunk_bwd_workspace_len(sz.max_len, sz.chunk, sz.Dk, sz.Dv)
+        const size_t wlen = sz.chunk ? gdn_chunk_bwd_workspace_len(&sz)
                                      : gdn_bwd_workspace_len(sz.max_len, sz.Dk, sz.Dv);
         run_with_workspace(nt, wlen, L.is[0], 0, &sz, &job);
     }
@@ -852,13 +855,15 @@ static PyObject *py_set_call_threads(PyObject *self, PyObject *arg)
     return PyLong_FromLong(prev);
 }
 
-/* _call_begin(n, chunk=0): a call of the checked API starts on this thread, on n threads (0:
- * default), with the chunkwise form's chunk size (0: the recurrence) */
+/* _call_begin(n, chunk=0, auto=False): a call of the checked API starts on this thread, on n
+ * threads (0: default), with the chunkwise form's chunk size (0: the recurrence), which with auto
+ * each (sequence, head) pair takes only where it suits it (gdn.h) */
 static PyObject *py_call_begin(PyObject *self, PyObject *args)
 {
     PyObject *threads;
     Py_ssize_t chunk = 0;
-    if (!PyArg_ParseTuple(args, "O|n", &threads, &chunk)) return NULL;
+    int autochoice = 0;
+    if (!PyArg_ParseTuple(args, "O|np", &threads, &chunk, &autochoice)) return NULL;
     const int n = thread_arg(threads);
     if (n < 0) return NULL;
     if (chunk < 0 || chunk > GDN_CHUNK_MAX) {
@@ -870,9 +875,11 @@ static PyObject *py_call_begin(PyObject *self, PyObject *args)
     if (d < (int)(sizeof this_call.saved_threads / sizeof(int))) {
         this_call.saved_threads[d] = call_threads;
         this_call.saved_chunk[d] = call_chunk;
+        this_call.saved_auto[d] = call_chunk_auto;
     }
     call_threads = n;
     call_chunk = (ptrdiff_t)chunk;
+    call_chunk_auto = autochoice;
     call_open(1);
     Py_RETURN_NONE;
 }
@@ -885,6 +892,7 @@ static PyObject *py_call_end(PyObject *self, PyObject *unused)
         if (d < (int)(sizeof this_call.saved_threads / sizeof(int))) {
             call_threads = this_call.saved_threads[d];
             call_chunk = this_call.saved_chunk[d];
+            call_chunk_auto = this_call.saved_auto[d];
         }
         call_close();
     }
@@ -969,8 +977,9 @@ static PyMethodDef methods[] = {
     {"_set_call_threads", py_set_call_threads, METH_O,
      "_set_call_threads(n) -> previous: threads for gufunc calls from this OS thread (0: default)."},
     {"_call_begin", py_call_begin, METH_VARARGS,
-     "_call_begin(n, chunk=0): a checked call starts on this thread, on n threads (0: default),\n"
-     "in the chunkwise form with chunks of `chunk` tokens (0: the recurrence); it spans\n"
+     "_call_begin(n, chunk=0, auto=False): a checked call starts on this thread, on n threads\n"
+     "(0: default), in the chunkwise form with chunks of `chunk` tokens (0: the recurrence),\n"
+     "with auto only for the (sequence, head) pairs it suits; it spans\n"
      "the gufunc call's casts and inner loops and, on the main thread, watches for Ctrl-C.\n"
      "Pair with _call_end() in a finally clause."},
     {"_call_end", py_call_end, METH_NOARGS, "_call_end(): the call started by _call_begin ended."},
@@ -1016,6 +1025,15 @@ static int core_exec(PyObject *m)
             Py_XDECREF(f);
             return -1;
         }
+    }
+    /* auto's thresholds (gdn.h), which the documentation and the tests quote */
+    if (PyModule_AddIntConstant(m, "CHUNK_AUTO_MIN_LEN", GDN_CHUNK_AUTO_MIN_LEN) < 0
+        || PyModule_AddIntConstant(m, "CHUNK_MAX", GDN_CHUNK_MAX) < 0)
+        return -1;
+    PyObject *bk2 = PyFloat_FromDouble(GDN_CHUNK_AUTO_MAX_BK2);
+    if (bk2 == NULL || PyModule_AddObject(m, "CHUNK_AUTO_MAX_BETA_K2", bk2) < 0) {
+        Py_XDECREF(bk2);
+        return -1;
     }
     /* the build's copy of gdn_ext/_constants.py's L2_EPS (setup.py passes it), for a test */
     PyObject *eps = PyFloat_FromDouble(GDN_L2_EPS);

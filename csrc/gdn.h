@@ -105,7 +105,8 @@ typedef struct {
     ptrdiff_t max_len;   /* the longest packed sequence (cu_seqlens already checked) */
     int dalpha_summed;   /* scalar gate: the backward writes dalpha[t] = sum_j dalpha[t, j] */
     ptrdiff_t chunk;     /* > 0: the chunkwise form with chunks of this many tokens (scalar gate,
-                          * no checkpoints; see gdn_chunk_forward); 0: the recurrence */
+                          * no checkpoints; see gdn_chunk_part_len); 0: the recurrence */
+    int chunk_auto;      /* with chunk > 0: per pair, the chunkwise form only where it suits */
     gdn_cancel_flag *cancel;   /* this call's Ctrl-C flag, NULL: none (see GDN_CANCELLED) */
 } gdn_sizes;
 
@@ -256,14 +257,34 @@ void gdn_backward_f32(const gdn_bwd_call *call);
  * chosen by gdn_forward_* / gdn_backward_* when sz->chunk > 0. It reads the gate as one number per
  * token (alpha's key stride must be 0: the caller checks) and neither writes nor reads checkpoints
  * (ckpt must be NULL). The general loops' dalpha [T, Dk] then receives the token's gradient in
- * key 0 and zeros in the other keys (their sum is the gradient). ws: nthreads times
- * gdn_chunk_fwd_workspace_len(C, Dk, Dv) / gdn_chunk_bwd_workspace_len(max_len, C, Dk, Dv)
- * elements; the backward's holds the state entering each of ceil(max_len / C) chunks.
+ * key 0 and zeros in the other keys (their sum is the gradient).
+ * With sz->chunk_auto each (sequence, head) pair takes the chunkwise form only when it suits it
+ * (gdn_chunk_suits), else the recurrence: the choice depends on the pair alone, so a sequence
+ * packed with others gives what it gives alone. ws: nthreads times
+ * gdn_chunk_fwd_workspace_len(sz) / gdn_chunk_bwd_workspace_len(sz) elements; the backward's
+ * holds the state entering each of ceil(max_len / C) chunks.
  */
 #define GDN_CHUNK_PAD 16   /* buffer widths are padded to this many elements (every build's lanes) */
 #define GDN_CHUNK_MAX 256  /* the longest chunk */
-size_t gdn_chunk_fwd_workspace_len(ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv);
-size_t gdn_chunk_bwd_workspace_len(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv);
+/* auto: the chunkwise form for sequences of at least this many tokens (measured: shorter ones
+ * pay the per-chunk set-up for little), and, with the delta rule, when beta_t ||k_t||^2 (k_t
+ * normalised when asked) stays at most GDN_CHUNK_AUTO_MAX_BK2 at every token: beyond it the UT
+ * transform's triangular solve amplifies rounding far past the recurrence's */
+#define GDN_CHUNK_AUTO_MIN_LEN 64
+#define GDN_CHUNK_AUTO_MAX_BK2 2.0
+/* The backward keeps the state entering every chunk while NT chunks' states take at most
+ * GDN_CHUNK_KEEP_ELEMENTS elements (padded); beyond that the first state of each segment of
+ * R = ceil(sqrt(NT)) chunks, recomputing a segment's states when it gets there. */
+#ifndef GDN_CHUNK_KEEP_ELEMENTS
+#define GDN_CHUNK_KEEP_ELEMENTS 4194304.0   /* 16 MiB of floats, 32 MiB of doubles per pair */
+#endif
+ptrdiff_t gdn_chunk_segment(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv);   /* R */
+/* the states it then holds: NT, or ceil(NT / R) + R */
+ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv);
+/* the chunk buffers of one thread, whole cache lines (bwd: the backward's, for max_len tokens) */
+size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_t Dv, int bwd);
+size_t gdn_chunk_fwd_workspace_len(const gdn_sizes *sz);
+size_t gdn_chunk_bwd_workspace_len(const gdn_sizes *sz);
 
 /* The multiply-add ceiling of the instruction set the kernels use: GFLOP/s (a multiply-add counts
  * 2) of independent vector FMA chains on num_threads threads (0: OpenMP's default), float32 or

@@ -373,19 +373,54 @@ void gdn_backward_f64(const gdn_bwd_call *call)
     (call->sz->chunk > 0 ? kernels[isa_level].chunk_backward_f64 : kernels[isa_level].backward_f64)(call);
 }
 
-/* every instance pads to GDN_CHUNK_PAD: the portable one counts for all */
-size_t gdn_chunk_fwd_workspace_len(ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv)
+ptrdiff_t gdn_chunk_segment(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv)
 {
-    return with_slack(gdn_chunk_ws_f64_generic(C, Dk, Dv, 0, 0));
+    const double DD = (double)((Dk + 2 * GDN_CHUNK_PAD - 1) / GDN_CHUNK_PAD * GDN_CHUNK_PAD)
+                      * (double)((Dv + 2 * GDN_CHUNK_PAD - 1) / GDN_CHUNK_PAD * GDN_CHUNK_PAD);
+    if ((double)NT * DD <= GDN_CHUNK_KEEP_ELEMENTS) return 1;
+    ptrdiff_t R = 1;
+    while (R * R < NT) R++;
+    return R;
 }
 
-size_t gdn_chunk_bwd_workspace_len(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv)
+ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv)
 {
-    const ptrdiff_t nt = C > 0 ? (T + C - 1) / C : 0;
+    const ptrdiff_t R = gdn_chunk_segment(NT, Dk, Dv);
+    return R == 1 ? NT : (NT + R - 1) / R + R;
+}
+
+/* every instance pads to GDN_CHUNK_PAD: the portable one counts for all */
+size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_t Dv, int bwd)
+{
+    const ptrdiff_t nt = bwd && C > 0 ? gdn_chunk_states_held((max_len + C - 1) / C, Dk, Dv) : 0;
     /* the states of nt chunks dominate; refuse sizes whose count would overflow */
-    if ((double)nt * (double)(Dk + GDN_CHUNK_PAD) * (double)(Dv + GDN_CHUNK_PAD) > (double)(SIZE_MAX / 16))
+    if ((double)nt * (double)(Dk + 2 * GDN_CHUNK_PAD) * (double)(Dv + 2 * GDN_CHUNK_PAD)
+        > (double)(SIZE_MAX / 16))
         return SIZE_MAX;
-    return with_slack(gdn_chunk_ws_f64_generic(C, Dk, Dv, 1, nt));
+    return lines(gdn_chunk_ws_f64_generic(C, Dk, Dv, bwd, nt));
+}
+
+/* the chunk buffers, then (auto) the recurrence's workspace for the pairs that take it */
+size_t gdn_chunk_fwd_workspace_len(const gdn_sizes *sz)
+{
+    const size_t c = gdn_chunk_part_len(sz->chunk, sz->max_len, sz->Dk, sz->Dv, 0);
+    const size_t r = sz->chunk_auto ? gdn_fwd_workspace_len(sz->max_len, sz->Dk, sz->Dv) : 0;
+    if (c == SIZE_MAX || r == SIZE_MAX || c > SIZE_MAX / 2 - r) return SIZE_MAX;
+    return sz->chunk_auto ? c + r : with_slack(c);
+}
+
+size_t gdn_chunk_bwd_workspace_len(const gdn_sizes *sz)
+{
+    const size_t c = gdn_chunk_part_len(sz->chunk, sz->max_len, sz->Dk, sz->Dv, 1);
+    size_t r = 0;
+    if (sz->chunk_auto) {
+        const size_t p = gdn_bwd_pair_len(sz->max_len, sz->Dk, sz->Dv);
+        const size_t t = gdn_bwd_thread_len(sz->max_len, sz->Dk, sz->Dv);
+        if (p == SIZE_MAX || t == SIZE_MAX || p > SIZE_MAX / 4 - t) return SIZE_MAX;
+        r = p + t;
+    }
+    if (c == SIZE_MAX || c > SIZE_MAX / 2 - r) return SIZE_MAX;
+    return with_slack(c + r);
 }
 
 #if GDN_X86_DISPATCH

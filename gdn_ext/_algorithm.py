@@ -12,14 +12,7 @@ import operator
 
 ALGORITHMS = ("auto", "chunk", "recurrent")
 DEFAULT_CHUNK_SIZE = 32   # measured: 32 and 64 within a few percent, 16 slower (docs, "Speed")
-MAX_CHUNK_SIZE = 256      # the compiled module's GDN_CHUNK_MAX
-# auto: the chunkwise form for sequences at least this long (shorter ones: the recurrence, which
-# has no per-chunk set-up and decodes a token without padding it to a chunk)
-AUTO_MIN_LEN = 64
-# auto: the recurrence when some beta_t ||k_t||^2 exceeds this (keys not normalised): the UT
-# transform's triangular solve then amplifies rounding (its condition grows like the product of
-# the (1 + beta ||k||^2) factors of a chunk), while the recurrence stays as accurate as the state
-AUTO_MAX_BETA_K2 = 2.0
+MAX_CHUNK_SIZE = 256      # the compiled module's CHUNK_MAX
 
 
 def check_algorithm(algorithm, chunk_size):
@@ -46,21 +39,15 @@ def check_algorithm(algorithm, chunk_size):
     return algorithm, c
 
 
-def chunk_for(algorithm, chunk_size, *, per_key, max_len, beta_k2=None):
-    """The chunk size a call runs with, 0 for the recurrence.
-
-    "recurrent": 0. "chunk": chunk_size (DEFAULT_CHUNK_SIZE when None), except for a gate per
-    key channel, which has no chunkwise kernel (0). "auto": the chunkwise form when the gate is
-    one number per token, the longest sequence has at least AUTO_MIN_LEN tokens and, when
-    ``beta_k2`` (the largest beta_t ||k_t||^2, None when keys are normalised) is given, it is at
-    most AUTO_MAX_BETA_K2 (a well-conditioned UT transform); else 0."""
-    if algorithm == "recurrent" or per_key:
-        return 0
-    C = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
-    if algorithm == "chunk":
-        return C
-    if max_len < AUTO_MIN_LEN:
-        return 0
-    if beta_k2 is not None and not beta_k2 <= AUTO_MAX_BETA_K2:   # NaN: the recurrence
-        return 0
-    return C
+def chunk_for(algorithm, chunk_size):
+    """What the compiled module is told for a call: (chunk, auto). chunk is the chunk size
+    (DEFAULT_CHUNK_SIZE for None), 0 for "recurrent". auto: each (sequence, head) pair takes the
+    chunkwise form only where it suits it -- a sequence of at least CHUNK_AUTO_MIN_LEN tokens
+    and, with the delta rule, beta_t ||k_t||^2 <= CHUNK_AUTO_MAX_BETA_K2 at every token (the
+    compiled module's constants; beyond it the UT transform's triangular solve amplifies
+    rounding). Either way a gate per key channel, and a call with checkpoints, runs the
+    recurrence, which the module decides."""
+    algorithm, chunk_size = check_algorithm(algorithm, chunk_size)
+    if algorithm == "recurrent":
+        return 0, False
+    return (DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size), algorithm == "auto"

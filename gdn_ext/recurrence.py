@@ -13,7 +13,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ._native import _core
 from ._checks import as_real_array, converted, expect_shape, flag, sequence_length, warn
-from ._algorithm import check_algorithm, chunk_for
+from ._algorithm import chunk_for
 from ._problem import _Problem
 from ._threads import pieces, run_pieces, thread_count, threads
 from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, GatedDeltaRuleOutput,
@@ -45,14 +45,14 @@ def checkpoint_interval(T: int) -> int:
     return int(_core.checkpoint_interval(sequence_length(T)))
 
 
-def _call(ufunc, args, out, num_threads, chunk=0):
+def _call(ufunc, args, out, num_threads, chunk=(0, False)):
     """Run a gufunc as one call (its casts and all its inner-loop calls; Ctrl-C on the main
-    thread stops it as a whole), in the chunkwise form with chunks of ``chunk`` tokens (0: the
-    recurrence); NumPy's floating-point warnings (errstate "warn") are issued at the caller's
-    line instead of this one."""
+    thread stops it as a whole), in the form ``chunk`` = (chunk size, auto) asks for
+    (_algorithm.chunk_for; (0, False): the recurrence); NumPy's floating-point warnings
+    (errstate "warn") are issued at the caller's line instead of this one."""
     try:
         # inside the try: a KeyboardInterrupt right after it returns still ends the call
-        _core._call_begin(num_threads, chunk)
+        _core._call_begin(num_threads, *chunk)
         err = np.geterr()
         modes = set(err.values())
         if "warn" in modes and not modes & {"call", "log"}:
@@ -79,24 +79,7 @@ def _step_out(p, out):
     return p.state_view(out)
 
 
-def _chunk(p, algorithm, chunk_size):
-    """The chunk size the checked problem runs with (0: the recurrence), by _algorithm's rule;
-    for "auto" that reads the largest beta_t ||k_t||^2 when the UT transform's condition depends
-    on it (the delta rule, keys not normalised)."""
-    algorithm, chunk_size = check_algorithm(algorithm, chunk_size)
-    beta_k2 = None
-    if (algorithm == "auto" and p.delta_rule and not p.per_key and p.max_len > 0
-            and p.T * p.HV > 0):
-        if p.normalize_qk:                         # ||k||^2 < 1
-            beta_k2 = float(np.max(p.beta))
-        else:
-            k2 = np.einsum("bhxtd,bhxtd->bhxt", p.k, p.k)   # [B, H, 1, T]
-            beta_k2 = float(np.max(p.beta * k2))          # beta [B, H, G, T]
-    return chunk_for(algorithm, chunk_size, per_key=p.per_key, max_len=p.max_len,
-                     beta_k2=beta_k2)
-
-
-def _forward(p, num_threads, checkpoints=False, chunk=0):
+def _forward(p, num_threads, checkpoints=False, chunk=(0, False)):
     """Run the forward of a checked problem; returns (o [B, T, HV, Dv], S_T in the state shape)
     and, with checkpoints=True, the checkpoints in their user shape (the recurrence writes them,
     whatever ``chunk``)."""
@@ -282,7 +265,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     return_checkpoints = flag(return_checkpoints, "return_checkpoints")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
                  check_values=check_values, delta_rule=delta_rule, num_threads=asked)
-    chunk = _chunk(p, algorithm, chunk_size)
+    chunk = chunk_for(algorithm, chunk_size)
     if return_checkpoints:
         o, S_T, ck = _forward(p, asked, checkpoints=True)
         return GatedDeltaRuleOutputWithCheckpoints(p.user_seq(o),
@@ -394,9 +377,9 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     else:
         args += (_checked_ckpt(p, checkpoints, initial_state),)
         ufunc = p.ufunc("bwd_ckpt")
-    chunk = _chunk(p, algorithm, chunk_size)
+    chunk = chunk_for(algorithm, chunk_size)
     grads, views = _new_grads(p)
-    _call(ufunc, args, views, asked, 0 if checkpoints is not None else chunk)
+    _call(ufunc, args, views, asked, chunk)   # with checkpoints: the recurrence (the module)
     return _user_grads(p, *grads)
 
 

@@ -5,8 +5,11 @@ import pytest
 
 import gdn_ext
 from gdn_ext import reference
-from gdn_ext._algorithm import AUTO_MAX_BETA_K2, AUTO_MIN_LEN, DEFAULT_CHUNK_SIZE
+from gdn_ext import _core
+from gdn_ext._algorithm import DEFAULT_CHUNK_SIZE
 from helpers import assert_rel_close, central_differences
+
+AUTO_MIN_LEN, AUTO_MAX_BETA_K2 = _core.CHUNK_AUTO_MIN_LEN, _core.CHUNK_AUTO_MAX_BETA_K2
 
 FIELDS = ("o", "S_T", "dq", "dk", "dv", "dbeta", "dgate", "d_initial_state")
 
@@ -34,6 +37,7 @@ def run(P, algorithm, chunk_size=None, gate="g", **kw):
     """Forward and backward with one algorithm: a dict of every result by FIELDS."""
     P = dict(P)
     do, dST = P.pop("do"), P.pop("dS_T")
+    chunk_size = kw.pop("chunk_size", chunk_size)
     q, k, v = P.pop("q"), P.pop("k"), P.pop("v")
     if gate == "alpha":
         P["alpha"] = np.exp(P.pop("g"))
@@ -199,24 +203,36 @@ def test_float32_error_within_a_small_factor_of_the_recurrences():
             assert e_chk <= 5 * e_rec, f"C={C} {name}: {e_chk:.2e} vs {e_rec:.2e}"
 
 
-def test_auto_picks_by_the_documented_rule():
+def pair(r, b, h):
+    """The results of one (sequence, head) pair."""
+    out = {}
+    for n, x in r.items():
+        out[n] = x[b, h] if n in ("S_T", "d_initial_state") else x[b, :, h]
+    return out
+
+
+def same(a, b):
+    return all(np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_auto_picks_by_the_documented_rule_per_pair():
     rng = np.random.default_rng(13)
     long = problem(rng, T=AUTO_MIN_LEN)
     short = problem(rng, T=AUTO_MIN_LEN - 1)
-
-    def same(a, b):
-        return all(np.array_equal(a[n], b[n]) for n in FIELDS)
     # a different rounding tells the forms apart
     assert not same(run(long, "chunk"), run(long, "recurrent"))
     assert same(run(long, "auto"), run(long, "chunk", DEFAULT_CHUNK_SIZE))
+    assert same(run(long, "auto", chunk_size=16), run(long, "chunk", 16))
     assert same(run(short, "auto"), run(short, "recurrent"))
-    # an ill-conditioned UT transform (beta ||k||^2 above the bound at one token): the recurrence
-    bad = dict(long)
-    bad["beta"] = long["beta"].copy()
-    bad["k"] = long["k"].copy()
+    # an ill-conditioned UT transform (beta ||k||^2 above the bound at one token of pair (0, 0)):
+    # that pair runs the recurrence, the others the chunk form
+    bad = dict(long, beta=long["beta"].copy(), k=long["k"].copy())
     bad["k"][0, 40, 0] *= 2.0
     bad["beta"][0, 40, 0] = AUTO_MAX_BETA_K2 / 4 + 0.01
-    assert same(run(bad, "auto"), run(bad, "recurrent"))
+    auto, rec, chk = run(bad, "auto"), run(bad, "recurrent"), run(bad, "chunk")
+    assert same(pair(auto, 0, 0), pair(rec, 0, 0))
+    for b, h in [(0, 1), (1, 0), (1, 1)]:
+        assert same(pair(auto, b, h), pair(chk, b, h))
     # ... unless the keys are normalised in the kernel (||k|| < 1: beta alone decides)
     assert same(run(bad, "auto", normalize_qk=True), run(bad, "chunk", normalize_qk=True))
     # without the delta rule there is no solve: the chunk form
@@ -225,6 +241,24 @@ def test_auto_picks_by_the_documented_rule():
     gk = dict(long)
     gk["g"] = np.repeat(long["g"][..., None], 20, axis=-1) * np.linspace(0.5, 1.5, 20)
     assert same(run(gk, "chunk"), run(gk, "recurrent"))
+
+
+def test_auto_packed_sequences_give_what_they_give_alone():
+    """auto decides per sequence: in a pack of a short and a long sequence each gets the form
+    (and the bits) it gets alone."""
+    rng = np.random.default_rng(18)
+    cu = np.array([0, 10, 10 + AUTO_MIN_LEN + 5])
+    P = problem(rng, B=1, T=int(cu[-1]))
+    P["initial_state"] = rng.standard_normal((2, 2, 12, 20))
+    P["dS_T"] = rng.standard_normal((2, 2, 12, 20))
+    packed = run(P, "auto", cu_seqlens=cu)
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        one = {m: (x[n:n + 1] if m in ("initial_state", "dS_T") else x[:, a:b])
+               for m, x in P.items()}
+        alone = run(one, "auto", cu_seqlens=[0, b - a])   # a pack of one: the same loops
+        for m in FIELDS:
+            got = packed[m][n:n + 1] if m in ("S_T", "d_initial_state") else packed[m][:, a:b]
+            np.testing.assert_array_equal(got, alone[m], err_msg=f"sequence {n} {m}")
 
 
 def test_ill_conditioned_float32_auto_stays_accurate():
@@ -301,3 +335,32 @@ def test_reference_refuses_per_key_gates_and_bad_chunks():
     with pytest.raises(ValueError, match="per key"):
         reference.chunk_gated_delta_rule(P["q"], P["k"], P["v"], beta=P["beta"],
                                          g=np.repeat(P["g"][..., None], 20, axis=-1))
+
+
+def test_long_sequence_recomputes_segments_float64():
+    """2000 chunks of Dk = Dv = 32 exceed what the backward keeps of every chunk's state: it keeps
+    one per segment of ceil(sqrt(2000)) = 45 chunks and recomputes the rest, with the same
+    results."""
+    P = problem(np.random.default_rng(19), B=1, T=4000, H=1, Dk=32, Dv=32, g=(-0.05, 0.0))
+    assert _core.CHUNK_MAX >= 2
+    assert_agree(run(P, "chunk", 2), run(P, "recurrent"), 1e-11, "T=4000, chunks of 2")
+
+
+def test_backward_memory_grows_as_sqrt_of_the_chunks():
+    """The chunk form's backward keeps O(sqrt(T / C)) states for a long sequence (tracemalloc sees
+    the workspace), not one per chunk and never one per token."""
+    import tracemalloc
+    T, Dk, Dv = 100_000, 32, 32
+    P = problem(np.random.default_rng(20), B=1, T=T, H=1, Dk=Dk, Dv=Dv, g=(-0.1, 0.0))
+    per_chunk = (T // DEFAULT_CHUNK_SIZE) * Dk * Dv * 8           # 25.6 MB: a state per chunk
+    grads_bytes = (2 * T * Dk + T * Dv + 2 * T + Dk * Dv) * 8
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        grads = gdn_ext.gated_delta_rule_backward(P["do"], P["q"], P["k"], P["v"], beta=P["beta"],
+                                                  g=P["g"], algorithm="chunk", num_threads=1)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert grads_bytes <= peak < grads_bytes + per_chunk / 4, (peak, grads_bytes, per_chunk)
+    assert np.all(np.isfinite(grads.dq))

@@ -240,7 +240,10 @@ def test_ctrl_c_stops_every_shape_and_phase_promptly(case):
 OVERFLOW = r"""
 import warnings
 x = inputs(1, 100_000, 4, 128, unit=False)   # keys not normalised: the state overflows
-fwd = lambda: gdn_ext.gated_delta_rule(x["q"], x["k"], x["v"], beta=x["beta"], alpha=x["alpha"])
+# one thread: the forward takes about 0.4 s (0.2 s on two threads of a Zen 5, which would end
+# before the signal)
+fwd = lambda: gdn_ext.gated_delta_rule(x["q"], x["k"], x["v"], beta=x["beta"], alpha=x["alpha"],
+                                       num_threads=1)
 bwd = lambda: gdn_ext.gated_delta_rule_backward(x["q"], x["q"], x["k"], x["v"], beta=x["beta"],
                                                 alpha=x["alpha"])
 def recorded(f):
@@ -249,7 +252,7 @@ def recorded(f):
         return f()
 for name, call in (("forward", fwd), ("backward", bwd), ("recorded", lambda: recorded(bwd))):
     sent = []
-    th = sigint_after(0.3, sent)
+    th = sigint_after(0.1, sent)
     try:
         call()
         print(name, "returned")

@@ -310,7 +310,8 @@ HANDOVER_CASES = {   # name: (inputs' shape and gate, call keywords)
 @pytest.mark.parametrize("case", sorted(HANDOVER_CASES))
 def test_forward_hands_its_checkpoints_to_the_backward(case, dtype):
     """gated_delta_rule(return_checkpoints=True) then gated_delta_rule_backward(checkpoints=):
-    the same gradients, bit for bit, as the backward's own checkpoint pass, on 1 and 3 threads."""
+    the same gradients, bit for bit, as the recurrent backward's own checkpoint pass, on 1 and 3
+    threads (the checkpoints are the recurrence's, whatever the algorithm asked for)."""
     shape, kw = HANDOVER_CASES[case]
     T, B, H = shape["T"], shape.get("B", 2), shape.get("H", 2)
     HV, Dk, Dv = shape.get("HV", H), 20, 36
@@ -327,16 +328,19 @@ def test_forward_hands_its_checkpoints_to_the_backward(case, dtype):
     for nt in (1, 3):
         o, S, ck = gdn_ext.gated_delta_rule(q, k, v, **common, num_threads=nt,
                                             return_checkpoints=True)
-        o2, S2 = gdn_ext.gated_delta_rule(q, k, v, **common, num_threads=nt)
+        o2, S2 = gdn_ext.gated_delta_rule(q, k, v, **common, num_threads=nt,
+                                          algorithm="recurrent")
         np.testing.assert_array_equal(o, o2)
         np.testing.assert_array_equal(S, S2)
         longest = max(np.diff(kw["cu_seqlens"])) if "cu_seqlens" in kw else T
         assert ck.shape == S0.shape[:-2] + (gdn_ext.checkpoint_count(longest), Dv, Dk)
         do = rng.standard_normal(o.shape).astype(dtype)
         dS = rng.standard_normal(S.shape).astype(dtype)
-        own = gdn_ext.gated_delta_rule_backward(do, q, k, v, **common, dS_T=dS, num_threads=nt)
+        own = gdn_ext.gated_delta_rule_backward(do, q, k, v, **common, dS_T=dS, num_threads=nt,
+                                                algorithm="recurrent")
         handed = gdn_ext.gated_delta_rule_backward(do, q, k, v, **common, dS_T=dS,
-                                                   num_threads=nt, checkpoints=ck)
+                                                   num_threads=nt, checkpoints=ck,
+                                                   algorithm="chunk")
         for name, a, b in zip(own._fields, own, handed):
             np.testing.assert_array_equal(b, a, err_msg=name)
 

@@ -30,7 +30,7 @@ def test_backward_does_not_store_every_state():
     try:
         base = tracemalloc.get_traced_memory()[0]
         grads = gdn_ext.gated_delta_rule_backward(do, q, k, v, beta=beta, alpha=alpha,
-                                                  num_threads=1)
+                                                  num_threads=1, algorithm="recurrent")
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()

@@ -19,7 +19,9 @@ from typing import List, Literal, Optional, Sequence, Tuple, Union, overload
 import numpy as np
 import torch
 
+from .._algorithm import check_algorithm
 from .._checks import flag, head_first_message, value_messages, warn
+from .._native import _core
 from .._threads import thread_count
 from ..recurrence import checkpoint_count
 from ..recurrence import gated_delta_rule as _np_forward
@@ -28,6 +30,8 @@ from ._inputs import GatedDeltaRuleOutput, check_ranks, prepare
 from .loop import reference_gated_delta_rule
 
 __all__ = ["gated_delta_rule", "GatedDeltaRuleOutput"]
+
+CHUNK_AUTO_MIN_LEN = _core.CHUNK_AUTO_MIN_LEN
 
 
 def _numpy(t: Optional[torch.Tensor]):
@@ -67,15 +71,17 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
             gate: torch.Tensor, initial_state: Optional[torch.Tensor], scale: float,
             gate_is_log: bool, normalize_qk: bool, cu_seqlens: Optional[torch.Tensor],
             keep_checkpoints: bool, num_threads: Optional[int], delta_rule: bool,
+            algorithm: str = "auto", chunk_size: Optional[int] = None,
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, S_T, checkpoints): checkpoints as gdn_ext.gated_delta_rule(return_checkpoints=True)
-    gives them ([..., NCK, Dv, Dk], NCK = checkpoint_count of the longest sequence), or an empty
-    tensor when not kept."""
+    gives them ([..., NCK, Dv, Dk], NCK = checkpoint_count of the longest sequence; the
+    recurrence runs), or an empty tensor when not kept (``algorithm`` decides)."""
     out = _np_forward(_numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
                       **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
                       scale=scale, normalize_qk=normalize_qk, cu_seqlens=_numpy(cu_seqlens),
                       num_threads=num_threads, return_checkpoints=keep_checkpoints,
-                      check_values=False, delta_rule=delta_rule)
+                      check_values=False, delta_rule=delta_rule, algorithm=algorithm,
+                      chunk_size=chunk_size)
     o, S_T = torch.from_numpy(out[0]), torch.from_numpy(out[1])
     if not keep_checkpoints:
         return o, S_T, q.new_empty((0,))
@@ -84,7 +90,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
 
 @_fwd_op.register_fake
 def _(q, k, v, beta, gate, initial_state, scale, gate_is_log, normalize_qk, cu_seqlens,
-      keep_checkpoints, num_threads, delta_rule):
+      keep_checkpoints, num_threads, delta_rule, algorithm="auto", chunk_size=None):
     S = _state_shape(q, v, initial_state, cu_seqlens)
     if not keep_checkpoints:
         return v.new_empty(v.shape), v.new_empty(S), v.new_empty((0,))
@@ -100,20 +106,21 @@ def _bwd_op(do: torch.Tensor, dS_T: Optional[torch.Tensor], q: torch.Tensor, k: 
             initial_state: Optional[torch.Tensor], checkpoints: Optional[torch.Tensor],
             scale: float, gate_is_log: bool, normalize_qk: bool,
             cu_seqlens: Optional[torch.Tensor], num_threads: Optional[int],
-            delta_rule: bool) -> List[torch.Tensor]:
+            delta_rule: bool, algorithm: str = "auto",
+            chunk_size: Optional[int] = None) -> List[torch.Tensor]:
     """[dq, dk, dv, dbeta, dgate, d_initial_state] (the last one shaped as the state)."""
     g = _np_backward(_numpy(do), _numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
                      **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
                      dS_T=_numpy(dS_T), scale=scale, normalize_qk=normalize_qk,
                      cu_seqlens=_numpy(cu_seqlens), num_threads=num_threads,
                      checkpoints=_numpy(checkpoints), check_values=False,
-                     delta_rule=delta_rule)
+                     delta_rule=delta_rule, algorithm=algorithm, chunk_size=chunk_size)
     return [torch.from_numpy(np.ascontiguousarray(x)) for x in g]
 
 
 @_bwd_op.register_fake
 def _(do, dS_T, q, k, v, beta, gate, initial_state, checkpoints, scale, gate_is_log,
-      normalize_qk, cu_seqlens, num_threads, delta_rule):
+      normalize_qk, cu_seqlens, num_threads, delta_rule, algorithm="auto", chunk_size=None):
     S = _state_shape(q, v, initial_state, cu_seqlens)
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             beta.new_empty(beta.shape), gate.new_empty(gate.shape), v.new_empty(S)]
@@ -124,15 +131,15 @@ _INPUTS = ("q", "k", "v", "beta", "gate", "initial_state")
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, beta, gate, initial_state, scale, gate_is_log, normalize_qk, cu_seqlens,
-     keep_checkpoints, num_threads, delta_rule) = inputs
+     keep_checkpoints, num_threads, delta_rule, algorithm, chunk_size) = inputs
     ckpt = output[2] if keep_checkpoints else None
     ctx.save_for_backward(q, k, v, beta, gate, initial_state, cu_seqlens, ckpt)
-    ctx.opts = (scale, gate_is_log, normalize_qk, num_threads, delta_rule)
+    ctx.opts = (scale, gate_is_log, normalize_qk, num_threads, delta_rule, algorithm, chunk_size)
 
 
 def _backward(ctx, do, dS_T, _dckpt):
     q, k, v, beta, gate, initial_state, cu_seqlens, ckpt = ctx.saved_tensors
-    scale, gate_is_log, normalize_qk, num_threads, delta_rule = ctx.opts
+    scale, gate_is_log, normalize_qk, num_threads, delta_rule, algorithm, chunk_size = ctx.opts
     inputs = (q, k, v, beta, gate, initial_state)
     if do is None:
         do = torch.zeros_like(v)
@@ -142,11 +149,11 @@ def _backward(ctx, do, dS_T, _dckpt):
                                         normalize_qk, cu_seqlens, delta_rule)
     grads = torch.ops.gdn_ext.gated_delta_rule_bwd(
         do, dS_T, q, k, v, beta, gate, initial_state, ckpt, scale, gate_is_log, normalize_qk,
-        cu_seqlens, num_threads, delta_rule)
+        cu_seqlens, num_threads, delta_rule, algorithm, chunk_size)
     grads = list(grads)
     if initial_state is None:
         grads[5] = None
-    return tuple(grads) + (None,) * 7
+    return tuple(grads) + (None,) * 9
 
 
 def _differentiable_backward(ctx, inputs, do, dS_T, scale, gate_is_log, normalize_qk,
@@ -173,7 +180,7 @@ def _differentiable_backward(ctx, inputs, do, dS_T, scale, gate_is_log, normaliz
     result = [None] * 6
     for i, g in zip(wanted, got):
         result[i] = torch.zeros_like(inputs[i]) if g is None else g
-    return tuple(result) + (None,) * 7
+    return tuple(result) + (None,) * 9
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -219,7 +226,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
                      output_final_state: Literal[True] = True, normalize_qk: bool = False,
                      cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
                      num_threads: Optional[int] = None, delta_rule: bool = True,
-                     check_values: bool = True) -> GatedDeltaRuleOutput: ...
+                     check_values: bool = True, algorithm: str = "auto",
+                     chunk_size: Optional[int] = None) -> GatedDeltaRuleOutput: ...
 @overload  # noqa: E302
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: Gate,
                      alpha: Optional[Gate] = None, g: Optional[Gate] = None,
@@ -227,7 +235,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
                      output_final_state: bool = True, normalize_qk: bool = False,
                      cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
                      num_threads: Optional[int] = None, delta_rule: bool = True,
-                     check_values: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+                     check_values: bool = True, algorithm: str = "auto",
+                     chunk_size: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta: Gate,
@@ -236,7 +245,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
                      output_final_state: bool = True, normalize_qk: bool = False,
                      cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
                      num_threads: Optional[int] = None, delta_rule: bool = True,
-                     check_values: bool = True,
+                     check_values: bool = True, algorithm: str = "auto",
+                     chunk_size: Optional[int] = None,
                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`gdn_ext.gated_delta_rule` on torch tensors, differentiable (autograd).
 
@@ -281,6 +291,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     for the backward (their number depends on T, which would be fixed in the graph): the
     backward reruns the forward recurrence once, and T stays dynamic.
 
+    ``algorithm`` ("auto", "chunk", "recurrent") and ``chunk_size`` pick the form of the
+    computation, forward and backward, as for :func:`gdn_ext.gated_delta_rule`. With the
+    chunkwise form the forward hands the backward nothing: the backward computes the states
+    entering each chunk itself (a pass over the chunks' state updates). The recurrence
+    (algorithm "recurrent", a gate per key channel, or "auto" with T < 64) keeps its
+    checkpoints for the backward as before.
+
     Raises: ValueError for a tensor not on the CPU, a beta or gate that does not broadcast
     (naming it and the shape expected) and the shape errors of :func:`gdn_ext.gated_delta_rule`
     (in its names); TypeError for another dtype (integer, complex, float8), q, k, v of
@@ -312,11 +329,15 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
             warn(m)
         warn_unusual(q, k, beta, gate, log_gate=gate_name == "g", delta_rule=delta_rule,
                      normalize_qk=normalize_qk)
+    algorithm, chunk_size = check_algorithm(algorithm, chunk_size)
     # Under torch.compile the checkpoints are not handed over: their count is a function of T
-    # (about sqrt(T)) that would fix T in the graph; the backward then makes its own.
+    # (about sqrt(T)) that would fix T in the graph; the backward then makes its own. They are
+    # the recurrence's: kept only where it runs (the chunk form's backward makes its states).
+    recurrent = (algorithm == "recurrent" or gate.dim() == q.dim()   # a gate per key channel
+                 or (algorithm == "auto" and q.shape[1] < CHUNK_AUTO_MIN_LEN))
     keep = (torch.is_grad_enabled() and any(t.requires_grad for t in given)
-            and not torch.compiler.is_compiling())
+            and not torch.compiler.is_compiling() and recurrent)
     o, S_T, _ = torch.ops.gdn_ext.gated_delta_rule_fwd(
         q, k, v, beta, gate, initial_state, float(scale), gate_name == "g", normalize_qk,
-        cu_seqlens, keep, threads, delta_rule)
+        cu_seqlens, keep, threads, delta_rule, algorithm, chunk_size)
     return GatedDeltaRuleOutput(o.to(out_dtype), S_T if output_final_state else None)
