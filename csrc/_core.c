@@ -34,6 +34,8 @@ static GDN_THREAD_LOCAL int call_threads = 0;
  * recurrence). Set with the thread count by _call_begin; bare gufunc calls run the recurrence. */
 static GDN_THREAD_LOCAL ptrdiff_t call_chunk = 0;
 static GDN_THREAD_LOCAL int call_chunk_auto = 0;   /* per pair, where the chunkwise form suits */
+/* the _ckpt gufuncs' checkpoints are the chunk form's states (its pairs'), not the recurrence's */
+static GDN_THREAD_LOCAL int call_chunk_states = 0;
 
 /* This OS thread's calls (see "calls and Ctrl-C" below). */
 typedef struct {
@@ -43,6 +45,7 @@ typedef struct {
     int saved_threads[8];     /* call_threads before each open call (_call_begin) */
     ptrdiff_t saved_chunk[8]; /* call_chunk likewise */
     int saved_auto[8];        /* call_chunk_auto likewise */
+    int saved_states[8];      /* call_chunk_states likewise */
 } call_state;
 static GDN_THREAD_LOCAL call_state this_call;
 
@@ -113,22 +116,27 @@ bad:
 
 /* Enough checkpoints for the longest sequence? (-1 with ValueError set if not.) Protects memory:
  * the backward reads, the forward writes, one per C steps of the longest sequence. */
-static int check_ckpt_count(ptrdiff_t have, ptrdiff_t max_len)
+static int check_ckpt_count(ptrdiff_t have, ptrdiff_t max_len, const gdn_sizes *sz)
 {
-    const ptrdiff_t need = gdn_checkpoint_count(max_len);
+    const ptrdiff_t need = sz->chunk_states
+                               ? gdn_chunk_checkpoint_count(max_len, sz->chunk, sz->Dk, sz->Dv)
+                               : gdn_checkpoint_count(max_len);
     if (have >= need) return 0;
-    char msg[160];
+    char msg[200];
     snprintf(msg, sizeof msg, "checkpoints: need %td along their axis c for sequences of %td steps "
-             "(gdn_ext.checkpoint_count), got %td", need, max_len, have);
+             "(%s), got %td", need, max_len,
+             sz->chunk_states ? "the chunk form's states" : "gdn_ext.checkpoint_count", have);
     raise_from_loop(PyExc_ValueError, msg);
     return -1;
 }
 
 /* The general loops' packing: cu_seqlens [n + 1] (dims[4] = n, dims[5] = m) checked, the longest
- * sequence in *max_len, and enough checkpoints (dims[6]) when ck; -1 with ValueError set if not. */
+ * sequence in sz->max_len, and enough checkpoints (dims[6]) when ck; -1 with ValueError set if
+ * not. */
 static int check_packed(const char *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, npy_intp const *dims, int ck,
-                        ptrdiff_t *max_len)
+                        gdn_sizes *sz)
 {
+    ptrdiff_t *max_len = &sz->max_len;
     if (dims[5] != dims[4] + 1) {
         raise_from_loop(PyExc_ValueError, "cu_seqlens must have one more entry than there are "
                         "sequences (initial_state's sequence axis)");
@@ -136,7 +144,7 @@ static int check_packed(const char *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, npy_intp
     }
     if (check_cu((const int64_t *)cu, cu_n, cu_m, dims[0], dims[4], dims[1], max_len) < 0)
         return -1;
-    return ck ? check_ckpt_count(dims[6], *max_len) : 0;
+    return ck ? check_ckpt_count(dims[6], *max_len, sz) : 0;
 }
 
 /* In a child made by fork() after the parent ran a parallel region, the OpenMP runtime's
@@ -596,12 +604,14 @@ static int call_sizes(gdn_sizes *sz, const loop_operands *L, const loop_kind *ki
                       .Dk = dims[kpos], .Dv = dims[vpos], .max_len = dims[1],
                       .dalpha_summed = !kind->general,
                       /* the chunkwise form: asked for, a gate of one number per token (key stride
-                       * 0), no checkpoints to hand over */
-                      .chunk = call_chunk > 0 && !kind->ckpt && in->a_k == 0 ? call_chunk : 0,
+                       * 0), and checkpoints (if any) asked for as its chunk states */
+                      .chunk = call_chunk > 0 && (!kind->ckpt || call_chunk_states) && in->a_k == 0
+                                   ? call_chunk : 0,
                       .chunk_auto = call_chunk_auto};
+    sz->chunk_states = kind->ckpt && sz->chunk > 0;
     if (kind->general)
-        return check_packed(arg(L, R_CU), in->cu_n, in->cu_m, dims, kind->ckpt, &sz->max_len);
-    return kind->ckpt ? check_ckpt_count(dims[4], sz->T) : 0;
+        return check_packed(arg(L, R_CU), in->cu_n, in->cu_m, dims, kind->ckpt, sz);
+    return kind->ckpt ? check_ckpt_count(dims[4], sz->T, sz) : 0;
 }
 
 static void fwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, void *data)
@@ -855,15 +865,16 @@ static PyObject *py_set_call_threads(PyObject *self, PyObject *arg)
     return PyLong_FromLong(prev);
 }
 
-/* _call_begin(n, chunk=0, auto=False): a call of the checked API starts on this thread, on n
- * threads (0: default), with the chunkwise form's chunk size (0: the recurrence), which with auto
- * each (sequence, head) pair takes only where it suits it (gdn.h) */
+/* _call_begin(n, chunk=0, auto=False, states=False): a call of the checked API starts on this
+ * thread, on n threads (0: default), with the chunkwise form's chunk size (0: the recurrence),
+ * which with auto each (sequence, head) pair takes only where it suits it (gdn.h); states: the
+ * _ckpt gufuncs' checkpoints are the chunk form's states */
 static PyObject *py_call_begin(PyObject *self, PyObject *args)
 {
     PyObject *threads;
     Py_ssize_t chunk = 0;
-    int autochoice = 0;
-    if (!PyArg_ParseTuple(args, "O|np", &threads, &chunk, &autochoice)) return NULL;
+    int autochoice = 0, states = 0;
+    if (!PyArg_ParseTuple(args, "O|npp", &threads, &chunk, &autochoice, &states)) return NULL;
     const int n = thread_arg(threads);
     if (n < 0) return NULL;
     if (chunk < 0 || chunk > GDN_CHUNK_MAX) {
@@ -876,10 +887,12 @@ static PyObject *py_call_begin(PyObject *self, PyObject *args)
         this_call.saved_threads[d] = call_threads;
         this_call.saved_chunk[d] = call_chunk;
         this_call.saved_auto[d] = call_chunk_auto;
+        this_call.saved_states[d] = call_chunk_states;
     }
     call_threads = n;
     call_chunk = (ptrdiff_t)chunk;
     call_chunk_auto = autochoice;
+    call_chunk_states = states;
     call_open(1);
     Py_RETURN_NONE;
 }
@@ -893,6 +906,7 @@ static PyObject *py_call_end(PyObject *self, PyObject *unused)
             call_threads = this_call.saved_threads[d];
             call_chunk = this_call.saved_chunk[d];
             call_chunk_auto = this_call.saved_auto[d];
+            call_chunk_states = this_call.saved_states[d];
         }
         call_close();
     }
@@ -918,6 +932,17 @@ static PyObject *py_checkpoint_count(PyObject *self, PyObject *arg)
     Py_ssize_t T = PyLong_AsSsize_t(arg);
     if (T == -1 && PyErr_Occurred()) return NULL;
     return PyLong_FromSsize_t(gdn_checkpoint_count(T));
+}
+
+static PyObject *py_chunk_checkpoint_count(PyObject *self, PyObject *args)
+{
+    Py_ssize_t T, C, Dk, Dv;
+    if (!PyArg_ParseTuple(args, "nnnn", &T, &C, &Dk, &Dv)) return NULL;
+    if (T < 0 || C < 1 || C > GDN_CHUNK_MAX || Dk < 0 || Dv < 0) {
+        PyErr_SetString(PyExc_ValueError, "chunk_checkpoint_count: T, Dk, Dv >= 0, C in [1, CHUNK_MAX]");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(gdn_chunk_checkpoint_count(T, C, Dk, Dv));
 }
 
 static PyObject *py_bwd_workspace_len(PyObject *self, PyObject *args)
@@ -977,9 +1002,10 @@ static PyMethodDef methods[] = {
     {"_set_call_threads", py_set_call_threads, METH_O,
      "_set_call_threads(n) -> previous: threads for gufunc calls from this OS thread (0: default)."},
     {"_call_begin", py_call_begin, METH_VARARGS,
-     "_call_begin(n, chunk=0, auto=False): a checked call starts on this thread, on n threads\n"
-     "(0: default), in the chunkwise form with chunks of `chunk` tokens (0: the recurrence),\n"
-     "with auto only for the (sequence, head) pairs it suits; it spans\n"
+     "_call_begin(n, chunk=0, auto=False, states=False): a checked call starts on this thread,\n"
+     "on n threads (0: default), in the chunkwise form with chunks of `chunk` tokens (0: the\n"
+     "recurrence), with auto only for the (sequence, head) pairs it suits, and with states the\n"
+     "_ckpt gufuncs' checkpoints as the chunk form's states; it spans\n"
      "the gufunc call's casts and inner loops and, on the main thread, watches for Ctrl-C.\n"
      "Pair with _call_end() in a finally clause."},
     {"_call_end", py_call_end, METH_NOARGS, "_call_end(): the call started by _call_begin ended."},
@@ -989,6 +1015,9 @@ static PyMethodDef methods[] = {
      "checkpoint_interval(T) -> C: the backward keeps the state every C = ceil(sqrt(T)) steps."},
     {"checkpoint_count", py_checkpoint_count, METH_O,
      "checkpoint_count(T) -> ceil(T / C): the states a forward hands to the backward."},
+    {"_chunk_checkpoint_count", py_chunk_checkpoint_count, METH_VARARGS,
+     "_chunk_checkpoint_count(T, C, Dk, Dv) -> the states the chunk form hands its backward for a\n"
+     "T-token sequence in chunks of C: ceil(NT / R), R = gdn_chunk_segment (NT = ceil(T / C))."},
     {"bwd_workspace_len", py_bwd_workspace_len, METH_VARARGS,
      "bwd_workspace_len(T, Dk, Dv) -> elements of backward workspace per thread."},
     {NULL, NULL, 0, NULL}};

@@ -107,6 +107,7 @@ typedef struct {
     ptrdiff_t chunk;     /* > 0: the chunkwise form with chunks of this many tokens (scalar gate,
                           * no checkpoints; see gdn_chunk_part_len); 0: the recurrence */
     int chunk_auto;      /* with chunk > 0: per pair, the chunkwise form only where it suits */
+    int chunk_states;    /* with chunk > 0: ckpt holds the chunk form's states (see below) */
     gdn_cancel_flag *cancel;   /* this call's Ctrl-C flag, NULL: none (see GDN_CANCELLED) */
 } gdn_sizes;
 
@@ -281,6 +282,11 @@ void gdn_backward_f32(const gdn_bwd_call *call);
 ptrdiff_t gdn_chunk_segment(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv);   /* R */
 /* the states it then holds: NT, or ceil(NT / R) + R */
 ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv);
+/* With sz->chunk_states the forward's ckpt receives, and the backward's reads, the states
+ * entering chunks 0, R, 2R, ... of each pair that runs the chunk form (R = gdn_chunk_segment),
+ * gdn_chunk_checkpoint_count of them, in the state's layout [Dv, Dk]; pairs that auto gives the
+ * recurrence leave their slots alone and make their own checkpoints in the backward. */
+ptrdiff_t gdn_chunk_checkpoint_count(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv);
 /* the chunk buffers of one thread, whole cache lines (bwd: the backward's, for max_len tokens) */
 size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_t Dv, int bwd);
 size_t gdn_chunk_fwd_workspace_len(const gdn_sizes *sz);

@@ -389,6 +389,19 @@ ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv)
     return R == 1 ? NT : (NT + R - 1) / R + R;
 }
 
+/* ceil(NT / R), but never less than for a shorter sequence (the packed sequences of one call
+ * share one axis of slots): past the budget's NT*, at least NT* */
+ptrdiff_t gdn_chunk_checkpoint_count(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv)
+{
+    const ptrdiff_t NT = T > 0 ? (T + C - 1) / C : 0, R = gdn_chunk_segment(NT, Dk, Dv);
+    if (R == 1) return NT;
+    ptrdiff_t keep = NT;   /* the longest NT kept whole: R(keep) == 1 */
+    while (keep > 0 && gdn_chunk_segment(keep, Dk, Dv) > 1) keep /= 2;
+    while (gdn_chunk_segment(keep + 1, Dk, Dv) == 1) keep++;
+    const ptrdiff_t n = (NT + R - 1) / R;
+    return n > keep ? n : keep;
+}
+
 /* every instance pads to GDN_CHUNK_PAD: the portable one counts for all */
 size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_t Dv, int bwd)
 {

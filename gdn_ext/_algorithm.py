@@ -39,15 +39,14 @@ def check_algorithm(algorithm, chunk_size):
     return algorithm, c
 
 
-def chunk_for(algorithm, chunk_size):
+def chunk_for(algorithm, chunk_size, per_key=False):
     """What the compiled module is told for a call: (chunk, auto). chunk is the chunk size
     (DEFAULT_CHUNK_SIZE for None), 0 for "recurrent". auto: each (sequence, head) pair takes the
     chunkwise form only where it suits it -- a sequence of at least CHUNK_AUTO_MIN_LEN tokens
     and, with the delta rule, beta_t ||k_t||^2 <= CHUNK_AUTO_MAX_BETA_K2 at every token (the
     compiled module's constants; beyond it the UT transform's triangular solve amplifies
-    rounding). Either way a gate per key channel, and a call with checkpoints, runs the
-    recurrence, which the module decides."""
+    rounding). A gate per key channel (per_key) has no chunkwise kernel: (0, False)."""
     algorithm, chunk_size = check_algorithm(algorithm, chunk_size)
-    if algorithm == "recurrent":
+    if algorithm == "recurrent" or per_key:
         return 0, False
     return (DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size), algorithm == "auto"

@@ -327,11 +327,13 @@ class _Problem:
         S = S.reshape(self.B, self.H, self.G, Dv, Dk)
         return S[:, :, :, None] if self.general else S
 
-    def ckpt_shape(self):
+    def ckpt_shape(self, chunk=0):
         """The user's shape of the forward's checkpoints: the state's, with an axis of
-        checkpoint_count(longest sequence) states before (Dv, Dk)."""
-        return self.state_shape[:-2] + (int(_core.checkpoint_count(self.max_len)), self.Dv,
-                                        self.Dk)
+        checkpoint_count(longest sequence) states before (Dv, Dk); with ``chunk`` > 0 the chunk
+        form's states instead (as many as it keeps for the longest sequence)."""
+        n = (_core._chunk_checkpoint_count(self.max_len, chunk, self.Dk, self.Dv) if chunk
+             else _core.checkpoint_count(self.max_len))
+        return self.state_shape[:-2] + (int(n), self.Dv, self.Dk)
 
     def ckpt_view(self, C):
         """Checkpoints in the user's shape -> the _ckpt ufuncs' [B, H, G, (NS,) NCK, Dv, Dk]."""

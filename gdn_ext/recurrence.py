@@ -80,9 +80,10 @@ def _step_out(p, out):
 
 
 def _forward(p, num_threads, checkpoints=False, chunk=(0, False)):
-    """Run the forward of a checked problem; returns (o [B, T, HV, Dv], S_T in the state shape)
-    and, with checkpoints=True, the checkpoints in their user shape (the recurrence writes them,
-    whatever ``chunk``)."""
+    """Run the forward of a checked problem in the form ``chunk`` asks for; returns
+    (o [B, T, HV, Dv], S_T in the state shape) and, with checkpoints=True, what the backward
+    restarts from in its user shape: the recurrence's checkpoints for chunk (0, False), else the
+    chunk form's states (gdn.h; pairs that auto gives the recurrence leave theirs zero)."""
     o, o_k = p.new_seq(p.Dv)
     S_T, S_T_k = p.new_state()
     args = (p.q, p.k, p.v, p.alpha, p.beta, p.S0, p.scale) + p.ufunc_args()
@@ -90,8 +91,9 @@ def _forward(p, num_threads, checkpoints=False, chunk=(0, False)):
         _call(p.ufunc("fwd"), args, (o_k, S_T_k), num_threads, chunk)
         return o, S_T
     # packed: zeros in the slots past a shorter sequence's own count (the kernel writes the rest)
-    ck = (np.zeros if p.packed else np.empty)(p.ckpt_shape(), p.dtype)
-    _call(p.ufunc("fwd_ckpt"), args, (o_k, S_T_k, p.ckpt_view(ck)), num_threads)
+    ck = (np.zeros if p.packed or chunk[0] else np.empty)(p.ckpt_shape(chunk[0]), p.dtype)
+    _call(p.ufunc("fwd_ckpt"), args, (o_k, S_T_k, p.ckpt_view(ck)), num_threads,
+          (chunk[0], chunk[1], chunk[0] > 0))
     return o, S_T, ck
 
 
@@ -265,7 +267,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     return_checkpoints = flag(return_checkpoints, "return_checkpoints")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
                  check_values=check_values, delta_rule=delta_rule, num_threads=asked)
-    chunk = chunk_for(algorithm, chunk_size)
+    chunk = chunk_for(algorithm, chunk_size, p.per_key)
     if return_checkpoints:
         o, S_T, ck = _forward(p, asked, checkpoints=True)
         return GatedDeltaRuleOutputWithCheckpoints(p.user_seq(o),
@@ -364,23 +366,75 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     (arXiv:2412.06464), section 3; the equations above are the chain rule through its recurrence.
     """
     asked = thread_count(num_threads)
+    p, do, dST = _backward_problem(do, dS_T, q, k, v, beta, alpha, g, initial_state, scale,
+                                   normalize_qk, cu_seqlens, check_values, delta_rule, asked)
+    chunk = chunk_for(algorithm, chunk_size, p.per_key)
+    ck = None if checkpoints is None else _checked_ckpt(p, checkpoints, initial_state)
+    return _backward(p, do, dST, ck, (0, False) if ck is not None else chunk, asked)
+
+
+def _backward_problem(do, dS_T, q, k, v, beta, alpha, g, initial_state, scale, normalize_qk,
+                      cu_seqlens, check_values, delta_rule, asked):
+    """The backward's checked problem (do and dS_T take part in the dtype): (p, do, dS_T)."""
     do = as_real_array(do, "do")
     dST = None if dS_T is None else as_real_array(dS_T, "dS_T")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
                  extra=[do] + ([dST] if dST is not None else []), check_values=check_values,
                  delta_rule=delta_rule, num_threads=asked)
+    return p, do, dST
+
+
+def _backward(p, do, dST, ck, chunk, asked):
+    """Run the backward of a checked problem: do, dS_T (None: zeros) converted and checked, ck
+    the checkpoints' kernel view (None: the backward makes its own), in the form chunk =
+    (size, auto) asks for (with ck: chunk states when size > 0, else the recurrence's)."""
     do_k, dST_k = _checked_output_grads(p, converted(do, p.dtype, num_threads=asked),
                                         None if dST is None else converted(dST, p.dtype))
     args = (do_k, p.q, p.k, p.v, p.alpha, p.beta, p.S0, dST_k, p.scale) + p.ufunc_args()
-    if checkpoints is None:
-        ufunc = p.ufunc("bwd")
-    else:
-        args += (_checked_ckpt(p, checkpoints, initial_state),)
-        ufunc = p.ufunc("bwd_ckpt")
-    chunk = chunk_for(algorithm, chunk_size)
+    ufunc = p.ufunc("bwd" if ck is None else "bwd_ckpt")
+    if ck is not None:
+        args += (ck,)
     grads, views = _new_grads(p)
-    _call(ufunc, args, views, asked, chunk)   # with checkpoints: the recurrence (the module)
+    _call(ufunc, args, views, asked, (chunk[0], chunk[1], ck is not None and chunk[0] > 0))
     return _user_grads(p, *grads)
+
+
+def _train_chunk(p, algorithm, chunk_size):
+    """The form gdn_ext.torch's training step runs: chunk_for's, but the recurrence for "auto"
+    when no sequence is long enough for the chunk form (its checkpoints then save the backward a
+    pass; the chunk form's states would go unused)."""
+    chunk = chunk_for(algorithm, chunk_size, p.per_key)
+    if chunk[1] and p.max_len < _core.CHUNK_AUTO_MIN_LEN:
+        return 0, False
+    return chunk
+
+
+def _train_forward(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
+                   normalize_qk=False, cu_seqlens=None, num_threads=None, delta_rule=True,
+                   algorithm="auto", chunk_size=None):
+    """gdn_ext.torch's forward when a gradient will follow: (o, S_T, ck), ck what
+    _train_backward restarts from given the same arguments -- the chunk form's states where it
+    runs, else the recurrence's checkpoints (not interchangeable: the public API hands over only
+    the recurrence's). Values are not checked (the torch front end warns itself)."""
+    asked = thread_count(num_threads)
+    p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
+                 check_values=False, delta_rule=delta_rule, num_threads=asked)
+    o, S_T, ck = _forward(p, asked, checkpoints=True, chunk=_train_chunk(p, algorithm, chunk_size))
+    return p.user_seq(o), S_T, ck
+
+
+def _train_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None, dS_T=None,
+                    scale=1.0, normalize_qk=False, cu_seqlens=None, num_threads=None,
+                    delta_rule=True, algorithm="auto", chunk_size=None, checkpoints):
+    """The backward from _train_forward's ck (the same arguments): the gradients, as
+    gated_delta_rule_backward returns them."""
+    asked = thread_count(num_threads)
+    p, do, dST = _backward_problem(do, dS_T, q, k, v, beta, alpha, g, initial_state, scale,
+                                   normalize_qk, cu_seqlens, False, delta_rule, asked)
+    chunk = _train_chunk(p, algorithm, chunk_size)
+    ck = as_real_array(checkpoints, "checkpoints")
+    expect_shape(ck, "checkpoints", p.ckpt_shape(chunk[0]), "(from _train_forward)")
+    return _backward(p, do, dST, p.ckpt_view(ck.astype(p.dtype, copy=False)), chunk, asked)
 
 
 def _checked_output_grads(p, do, dST):

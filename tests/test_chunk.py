@@ -364,3 +364,44 @@ def test_backward_memory_grows_as_sqrt_of_the_chunks():
         tracemalloc.stop()
     assert grads_bytes <= peak < grads_bytes + per_chunk / 4, (peak, grads_bytes, per_chunk)
     assert np.all(np.isfinite(grads.dq))
+
+
+# ---- through gdn_ext.torch: the forward hands the backward its chunk states -------------------
+
+torch = pytest.importorskip("torch")
+
+
+def _torch_grads(P, **kw):
+    import gdn_ext.torch as gt
+    t = {n: torch.tensor(x, requires_grad=True) for n, x in P.items()
+         if n not in ("do", "dS_T") and x is not None}
+    o, S_T = gt.gated_delta_rule(t["q"], t["k"], t["v"], beta=t["beta"], g=t["g"],
+                                 initial_state=t.get("initial_state"), **kw)
+    loss = (o * torch.tensor(P["do"])).sum()
+    if "initial_state" in t:
+        loss = loss + (S_T * torch.tensor(P["dS_T"])).sum()
+    loss.backward()   # one backward call, as the NumPy one: do and dS_T together
+    return {n: x.grad.numpy() for n, x in t.items()}, o.detach().numpy()
+
+
+@pytest.mark.parametrize("case", ["chunk", "auto", "long", "packed"])
+def test_torch_training_hands_over_chunk_states(case):
+    """The torch forward keeps the chunk form's states and the backward starts from them: the
+    gradients are bit for bit the NumPy backward's, which makes its own (float64)."""
+    rng = np.random.default_rng(21)
+    kw, shape = dict(algorithm="auto" if case == "auto" else "chunk", chunk_size=16), {}
+    if case == "long":   # segments of the chunks' states: 2000 chunks of 2 tokens
+        shape, kw = dict(B=1, T=4000, H=1, Dk=32, Dv=32, g=(-0.05, 0.0)), dict(chunk_size=2,
+                                                                               algorithm="chunk")
+    shape = dict(dict(T=100), **shape)
+    P = problem(rng, **shape) if case != "packed" else problem(rng, B=1, T=100)
+    if case == "packed":
+        kw = dict(kw, algorithm="auto", cu_seqlens=[0, 10, 100])   # 10 tokens: the recurrence
+        P["initial_state"] = rng.standard_normal((2, 2, 12, 20))
+        P["dS_T"] = rng.standard_normal((2, 2, 12, 20))
+    grads, o = _torch_grads(P, **kw)
+    want = run(P, kw.pop("algorithm"), **kw)
+    np.testing.assert_array_equal(o, want["o"])
+    for name, field in [("q", "dq"), ("k", "dk"), ("v", "dv"), ("beta", "dbeta"), ("g", "dgate"),
+                        ("initial_state", "d_initial_state")]:
+        np.testing.assert_array_equal(grads[name], want[field], err_msg=name)

@@ -19,13 +19,14 @@ from typing import List, Literal, Optional, Sequence, Tuple, Union, overload
 import numpy as np
 import torch
 
-from .._algorithm import check_algorithm
+from .._algorithm import check_algorithm, chunk_for
 from .._checks import flag, head_first_message, value_messages, warn
 from .._native import _core
 from .._threads import thread_count
 from ..recurrence import checkpoint_count
 from ..recurrence import gated_delta_rule as _np_forward
 from ..recurrence import gated_delta_rule_backward as _np_backward
+from ..recurrence import _train_backward, _train_forward
 from ._inputs import GatedDeltaRuleOutput, check_ranks, prepare
 from .loop import reference_gated_delta_rule
 
@@ -66,6 +67,17 @@ def _gate_kw(gate, gate_is_log):
     return {"g": gate} if gate_is_log else {"alpha": gate}
 
 
+def _ckpt_count(q, v, gate, algorithm, chunk_size):
+    """How many states the forward keeps for its backward, unpacked (recurrence._train_chunk's
+    choice, from the shapes): the chunk form's for a gate of one number per token in chunks, else
+    the recurrence's checkpoints."""
+    T, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    C, auto = chunk_for(algorithm, chunk_size, per_key=gate.dim() == q.dim())
+    if C == 0 or (auto and T < CHUNK_AUTO_MIN_LEN):
+        return checkpoint_count(T)
+    return int(_core._chunk_checkpoint_count(T, C, Dk, Dv))
+
+
 @torch.library.custom_op("gdn_ext::gated_delta_rule_fwd", mutates_args=(), device_types="cpu")
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
             gate: torch.Tensor, initial_state: Optional[torch.Tensor], scale: float,
@@ -73,15 +85,18 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
             keep_checkpoints: bool, num_threads: Optional[int], delta_rule: bool,
             algorithm: str = "auto", chunk_size: Optional[int] = None,
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(o, S_T, checkpoints): checkpoints as gdn_ext.gated_delta_rule(return_checkpoints=True)
-    gives them ([..., NCK, Dv, Dk], NCK = checkpoint_count of the longest sequence; the
-    recurrence runs), or an empty tensor when not kept (``algorithm`` decides)."""
-    out = _np_forward(_numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
-                      **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
-                      scale=scale, normalize_qk=normalize_qk, cu_seqlens=_numpy(cu_seqlens),
-                      num_threads=num_threads, return_checkpoints=keep_checkpoints,
-                      check_values=False, delta_rule=delta_rule, algorithm=algorithm,
-                      chunk_size=chunk_size)
+    """(o, S_T, checkpoints): with keep_checkpoints what the backward restarts from
+    ([..., NCK, Dv, Dk]: the chunk form's states where it runs, else the recurrence's
+    checkpoints, NCK = checkpoint_count of the longest sequence; _ckpt_count), or an empty
+    tensor."""
+    kw = dict(beta=_numpy(beta), **_gate_kw(_numpy(gate), gate_is_log),
+              initial_state=_numpy(initial_state), scale=scale, normalize_qk=normalize_qk,
+              cu_seqlens=_numpy(cu_seqlens), num_threads=num_threads, delta_rule=delta_rule,
+              algorithm=algorithm, chunk_size=chunk_size)
+    if keep_checkpoints:   # what the backward restarts from: chunk states or checkpoints
+        out = _train_forward(_numpy(q), _numpy(k), _numpy(v), **kw)
+    else:
+        out = _np_forward(_numpy(q), _numpy(k), _numpy(v), check_values=False, **kw)
     o, S_T = torch.from_numpy(out[0]), torch.from_numpy(out[1])
     if not keep_checkpoints:
         return o, S_T, q.new_empty((0,))
@@ -95,7 +110,7 @@ def _(q, k, v, beta, gate, initial_state, scale, gate_is_log, normalize_qk, cu_s
     if not keep_checkpoints:
         return v.new_empty(v.shape), v.new_empty(S), v.new_empty((0,))
     # packed: the count follows the longest sequence, a value of cu_seqlens
-    nck = (checkpoint_count(q.shape[1]) if cu_seqlens is None
+    nck = (_ckpt_count(q, v, gate, algorithm, chunk_size) if cu_seqlens is None
            else torch.library.get_ctx().new_dynamic_size())
     return v.new_empty(v.shape), v.new_empty(S), v.new_empty(S[:-2] + (nck,) + S[-2:])
 
@@ -109,12 +124,15 @@ def _bwd_op(do: torch.Tensor, dS_T: Optional[torch.Tensor], q: torch.Tensor, k: 
             delta_rule: bool, algorithm: str = "auto",
             chunk_size: Optional[int] = None) -> List[torch.Tensor]:
     """[dq, dk, dv, dbeta, dgate, d_initial_state] (the last one shaped as the state)."""
-    g = _np_backward(_numpy(do), _numpy(q), _numpy(k), _numpy(v), beta=_numpy(beta),
-                     **_gate_kw(_numpy(gate), gate_is_log), initial_state=_numpy(initial_state),
-                     dS_T=_numpy(dS_T), scale=scale, normalize_qk=normalize_qk,
-                     cu_seqlens=_numpy(cu_seqlens), num_threads=num_threads,
-                     checkpoints=_numpy(checkpoints), check_values=False,
-                     delta_rule=delta_rule, algorithm=algorithm, chunk_size=chunk_size)
+    kw = dict(beta=_numpy(beta), **_gate_kw(_numpy(gate), gate_is_log),
+              initial_state=_numpy(initial_state), dS_T=_numpy(dS_T), scale=scale,
+              normalize_qk=normalize_qk, cu_seqlens=_numpy(cu_seqlens), num_threads=num_threads,
+              delta_rule=delta_rule, algorithm=algorithm, chunk_size=chunk_size)
+    if checkpoints is not None:   # the forward operator's (chunk states or checkpoints)
+        g = _train_backward(_numpy(do), _numpy(q), _numpy(k), _numpy(v),
+                            checkpoints=_numpy(checkpoints), **kw)
+    else:
+        g = _np_backward(_numpy(do), _numpy(q), _numpy(k), _numpy(v), check_values=False, **kw)
     return [torch.from_numpy(np.ascontiguousarray(x)) for x in g]
 
 
@@ -292,11 +310,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     backward reruns the forward recurrence once, and T stays dynamic.
 
     ``algorithm`` ("auto", "chunk", "recurrent") and ``chunk_size`` pick the form of the
-    computation, forward and backward, as for :func:`gdn_ext.gated_delta_rule`. With the
-    chunkwise form the forward hands the backward nothing: the backward computes the states
-    entering each chunk itself (a pass over the chunks' state updates). The recurrence
-    (algorithm "recurrent", a gate per key channel, or "auto" with T < 64) keeps its
-    checkpoints for the backward as before.
+    computation, forward and backward, as for :func:`gdn_ext.gated_delta_rule`. The forward
+    keeps for the backward the states entering its chunks (chunk form; for long sequences those
+    of every ceil(sqrt(T / chunk_size))-th chunk) or the recurrence's checkpoints, so that the
+    backward does not rerun the forward.
 
     Raises: ValueError for a tensor not on the CPU, a beta or gate that does not broadcast
     (naming it and the shape expected) and the shape errors of :func:`gdn_ext.gated_delta_rule`
@@ -331,12 +348,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
                      normalize_qk=normalize_qk)
     algorithm, chunk_size = check_algorithm(algorithm, chunk_size)
     # Under torch.compile the checkpoints are not handed over: their count is a function of T
-    # (about sqrt(T)) that would fix T in the graph; the backward then makes its own. They are
-    # the recurrence's: kept only where it runs (the chunk form's backward makes its states).
-    recurrent = (algorithm == "recurrent" or gate.dim() == q.dim()   # a gate per key channel
-                 or (algorithm == "auto" and q.shape[1] < CHUNK_AUTO_MIN_LEN))
+    # that would fix T in the graph; the backward then makes its own.
     keep = (torch.is_grad_enabled() and any(t.requires_grad for t in given)
-            and not torch.compiler.is_compiling() and recurrent)
+            and not torch.compiler.is_compiling())
     o, S_T, _ = torch.ops.gdn_ext.gated_delta_rule_fwd(
         q, k, v, beta, gate, initial_state, float(scale), gate_name == "g", normalize_qk,
         cu_seqlens, keep, threads, delta_rule, algorithm, chunk_size)
