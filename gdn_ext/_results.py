@@ -117,7 +117,8 @@ class LayerCache(NamedTuple):
     a training step runs the recurrence forward once: ``h`` = rmsnorm(x) [B, T, D]; ``q``, ``k``
     [B, T, H, Dk] (before any L2 normalisation, which the kernels do); ``v`` [B, T, H, Dv];
     ``gate``, ``eta`` [B, T, H]; ``O`` the recurrence's output [B, T, H, Dv]; ``checkpoints``
-    the recurrence's states every checkpoint_interval(T) steps (gated_delta_rule's
+    the states the backward restarts from: those entering the chunks of the chunkwise form,
+    else the recurrence's every checkpoint_interval(T) steps (gated_delta_rule's
     ``return_checkpoints``). Computed in the layer's dtype; read-only by convention."""
     h: Array
     q: Array

@@ -35,6 +35,7 @@ except ImportError as _exc:  # pragma: no cover - exercised without dask
                       'pip install -e ".[dask]")'
                       ) from _exc
 
+from ._algorithm import check_algorithm
 from ._problem import _Problem
 from ._checks import (as_real_array, caller_location, compute_dtype, flag, head_first_message, real_scalar,
                       value_messages, warn)
@@ -192,11 +193,13 @@ class _Inputs:
         return x.reshape((B, H, G) + x.shape[2:])
 
 
-def _options(scale, normalize_qk, delta_rule, num_threads):
+def _options(scale, normalize_qk, delta_rule, num_threads, algorithm, chunk_size):
     """The options every task passes to the NumPy entry point, checked once here."""
+    algorithm, chunk_size = check_algorithm(algorithm, chunk_size)
     return dict(scale=real_scalar(scale, "scale"), normalize_qk=flag(normalize_qk, "normalize_qk"),
                 delta_rule=flag(delta_rule, "delta_rule"),
-                num_threads=thread_count(num_threads) or None)
+                num_threads=thread_count(num_threads) or None, algorithm=algorithm,
+                chunk_size=chunk_size)
 
 
 def _checker(x, check_values, delta_rule, normalize_qk):
@@ -240,7 +243,8 @@ def _from_user_seq(x, h, G):
 
 def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
                      normalize_qk: bool = False, delta_rule: bool = True,
-                     num_threads: Optional[int] = 1, check_values: bool = True):
+                     num_threads: Optional[int] = 1, check_values: bool = True,
+                     algorithm: str = "auto", chunk_size: Optional[int] = None):
     """:func:`gdn_ext.gated_delta_rule` on dask arrays, lazily, one gdn_ext call per chunk.
 
     q, k [B, T, H, Dk]; v [B, T, HV, Dv]; beta [B, T, HV]; alpha or g [B, T, HV] or
@@ -252,7 +256,9 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     per task (default 1: dask runs tasks in parallel already; None: OpenMP's default).
     ``check_values`` (default True): :func:`gdn_ext.gated_delta_rule`'s warnings, at the line
     of this call: the layout one from the shapes now, the value ones from each chunk's values
-    when it is computed (see the module docstring); False turns them off.
+    when it is computed (see the module docstring); False turns them off. ``algorithm`` and
+    ``chunk_size``: the form each task computes, as :func:`gdn_ext.gated_delta_rule` (its
+    chunk_size is the chunkwise form's tokens per chunk, not a dask chunk).
 
     Returns a GatedDeltaRuleOutput (o [B, T, HV, Dv], S_T [B, HV, Dv, Dk]) of lazy arrays of
     the computation's dtype.
@@ -260,7 +266,7 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, sec. 3.
     """
     x = _Inputs(q, k, v, beta, alpha, g, initial_state)
-    opts = _options(scale, normalize_qk, delta_rule, num_threads)
+    opts = _options(scale, normalize_qk, delta_rule, num_threads, algorithm, chunk_size)
     check = _checker(x, check_values, opts["delta_rule"], opts["normalize_qk"])
     gate_name, dt = x.gate_name, x.dtype
     x.cast_numbers()
@@ -291,11 +297,13 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
 def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None,
                               dS_T=None, scale=1.0, normalize_qk: bool = False,
                               delta_rule: bool = True, num_threads: Optional[int] = 1,
-                              check_values: bool = True):
+                              check_values: bool = True, algorithm: str = "auto",
+                              chunk_size: Optional[int] = None):
     """:func:`gdn_ext.gated_delta_rule_backward` on dask arrays, lazily, chunk by chunk.
 
     Arguments as :func:`gated_delta_rule`, plus do [B, T, HV, Dv] and dS_T [B, HV, Dv, Dk] (or
-    None), chunked like v and initial_state (``check_values`` as there). Returns the gradients tuple of
+    None), chunked like v and initial_state (``check_values``, ``algorithm``, ``chunk_size`` as
+    there). Returns the gradients tuple of
     :func:`gdn_ext.gated_delta_rule_backward` (``GatedDeltaRuleGrads`` for alpha,
     ``GatedDeltaRuleGradsG`` for g) holding lazy dask arrays, d_initial_state always given; a
     broadcast beta or gate's gradient in the shape it was given in.
@@ -318,7 +326,7 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         raise ValueError(f"dS_T must have shape [B, HV, Dv, Dk] = {[B, HV, Dv, Dk]}, chunked as "
                          f"v along B and HV, whole along Dv, Dk; got {list(dST.shape)}, "
                          f"{dST.chunks}")
-    opts = _options(scale, normalize_qk, delta_rule, num_threads)
+    opts = _options(scale, normalize_qk, delta_rule, num_threads, algorithm, chunk_size)
     check = _checker(x, check_values, opts["delta_rule"], opts["normalize_qk"])
     gate_name, dt = x.gate_name, x.dtype
     x.cast_numbers()

@@ -27,7 +27,8 @@ from . import reference
 from ._checks import as_real_array, expect_shape, flag, fmt
 from ._constants import L2_EPS, RMS_EPS
 from ._results import LayerCache, LayerGrads, LayerStepResult
-from .recurrence import gated_delta_rule, gated_delta_rule_backward, gated_delta_rule_step
+from .recurrence import (_train_backward, _train_forward, gated_delta_rule,
+                         gated_delta_rule_backward, gated_delta_rule_step)
 
 # The rule family by name: (gated, delta_rule). The design note's lesson in order: linear
 # attention, then the delta rule (DeltaNet), then gating (Mamba2's forget gate), then both.
@@ -249,13 +250,14 @@ def _projections(x, params, gated=True):
     return h, q, k, v, gate, eta
 
 
-def _recurrence(h, q, k, v, gate, eta, S, normalize_qk, scale, num_threads, delta_rule):
+def _recurrence(h, q, k, v, gate, eta, S, normalize_qk, scale, num_threads, delta_rule,
+                algorithm, chunk_size):
     """The recurrence's forward, keeping what its backward needs: (O, S_T, LayerCache)."""
     # the layer makes q, k, v itself, gates in [0, 1]: nothing for check_values to find
-    O, S_T, ck = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
-                                  num_threads=num_threads, normalize_qk=normalize_qk,
-                                  check_values=False, delta_rule=delta_rule,
-                                  return_checkpoints=True)
+    O, S_T, ck = _train_forward(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
+                                num_threads=num_threads, normalize_qk=normalize_qk,
+                                delta_rule=delta_rule, algorithm=algorithm,
+                                chunk_size=chunk_size)
     return O, S_T, LayerCache(h, q, k, v, gate, eta, O, ck)
 
 
@@ -264,20 +266,23 @@ def _recurrence(h, q, k, v, gate, eta, S, normalize_qk, scale, num_threads, delt
 def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
                            normalize_qk: bool = False, scale: float = 1.0,
                            num_threads: Optional[int] = None, delta_rule: bool = True,
-                           gated: bool = True, return_cache: Literal[False] = False,
+                           gated: bool = True, algorithm: str = "auto",
+                           chunk_size: Optional[int] = None, return_cache: Literal[False] = False,
                            ) -> Tuple[NDArray[Any], NDArray[Any]]: ...
 @overload  # noqa: E302
 def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
                            normalize_qk: bool = False, scale: float = 1.0,
                            num_threads: Optional[int] = None, delta_rule: bool = True,
-                           gated: bool = True, return_cache: Literal[True],
+                           gated: bool = True, algorithm: str = "auto",
+                           chunk_size: Optional[int] = None, return_cache: Literal[True],
                            ) -> Tuple[NDArray[Any], NDArray[Any], LayerCache]: ...
 
 
 def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDeltaNetParams, *,
                            normalize_qk: bool = False, scale: float = 1.0,
                            num_threads: Optional[int] = None, delta_rule: bool = True,
-                           gated: bool = True, return_cache: bool = False,
+                           gated: bool = True, algorithm: str = "auto",
+                           chunk_size: Optional[int] = None, return_cache: bool = False,
                            ) -> Union[Tuple[NDArray[Any], NDArray[Any]],
                                       Tuple[NDArray[Any], NDArray[Any], LayerCache]]:
     """The design note's Gated DeltaNet layer: ``y, S_T = gated_deltanet_forward(x, S, params)``.
@@ -299,12 +304,16 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
     gated : bool, default True
         False: no forget gate (alpha = 1; Wg_state unused, its gradient 0): with
         ``delta_rule=True`` DeltaNet, with False plain linear attention. ``RULES`` names the four.
+    algorithm, chunk_size
+        The form of the recurrence, as :func:`gdn_ext.gated_delta_rule` ("auto": the chunkwise
+        form for sequences of 64 tokens or more); pass the same to the backward.
     return_cache : bool, default False
-        Also return a :class:`LayerCache` (the projections, the recurrence's output and its
-        checkpoints) to hand to :func:`gated_deltanet_backward` as ``cache=``: a training step
-        then runs the recurrence forward once, not three times (the backward needs O for dWo
-        and the states every checkpoint_interval(T) steps), and the projections once. It holds
-        about (4 Dk + 2 Dv) / D times x's size plus checkpoint_count(T) states per head.
+        Also return a :class:`LayerCache` (the projections, the recurrence's output and the
+        states its backward restarts from) to hand to :func:`gated_deltanet_backward` as
+        ``cache=``, with the same ``algorithm`` and ``chunk_size``: a training step then runs
+        the recurrence forward once, not three times, and the projections once. It holds about
+        (4 Dk + 2 Dv) / D times x's size plus, per head, the state entering every chunk
+        (chunkwise form) or checkpoint_count(T) states (the recurrence).
 
     Returns
     -------
@@ -327,12 +336,13 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
     h, q, k, v, gate, eta = _projections(x, params, gated)
     if return_cache:
         O, S_T, cache = _recurrence(h, q, k, v, gate, eta, S, normalize_qk, scale, num_threads,
-                                    delta_rule)
+                                    delta_rule, algorithm, chunk_size)
     else:
         # the layer makes q, k, v itself, gates in [0, 1]: nothing for check_values to find
         O, S_T = gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S, scale=scale,
                                   num_threads=num_threads, normalize_qk=normalize_qk,
-                                  check_values=False, delta_rule=delta_rule)
+                                  check_values=False, delta_rule=delta_rule,
+                                  algorithm=algorithm, chunk_size=chunk_size)
     y = x + O.reshape(B, T, params.n_heads * params.d_value) @ params.Wo
     return (y, S_T, cache) if return_cache else (y, S_T)
 
@@ -341,7 +351,9 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
                             params: GatedDeltaNetParams, dS_T: Optional[ArrayLike] = None, *,
                             normalize_qk: bool = False, scale: float = 1.0,
                             num_threads: Optional[int] = None, delta_rule: bool = True,
-                            gated: bool = True, cache: Optional[LayerCache] = None) -> LayerGrads:
+                            gated: bool = True, cache: Optional[LayerCache] = None,
+                            algorithm: str = "auto", chunk_size: Optional[int] = None,
+                            ) -> LayerGrads:
     """Backward of :func:`gated_deltanet_forward`: ``dx, dS, dparams``.
 
     Runs the recurrence's backward in C (:func:`gdn_ext.gated_delta_rule_backward`, from the
@@ -351,7 +363,7 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
     Parameters
     ----------
     dy : array [B, T, D]   gradient of the loss with respect to y.
-    x, S, params, normalize_qk, scale, num_threads : as for the forward.
+    x, S, params, normalize_qk, scale, num_threads, algorithm, chunk_size : as for the forward.
     dS_T : array [B, H, Dv, Dk] or None   gradient with respect to the final state.
     cache : LayerCache or None
         What ``gated_deltanet_forward(..., return_cache=True)`` returned for these same x, S,
@@ -377,7 +389,7 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
     gated = flag(gated, "gated")
     if cache is None:
         cache = _recurrence(*_projections(x, params, gated), S, normalize_qk, scale, num_threads,
-                            delta_rule)[2]
+                            delta_rule, algorithm, chunk_size)[2]
     elif not isinstance(cache, LayerCache):
         raise TypeError(f"cache must be the LayerCache of gated_deltanet_forward(..., "
                         f"return_cache=True); got {type(cache).__name__}")
@@ -391,10 +403,10 @@ def gated_deltanet_backward(dy: ArrayLike, x: ArrayLike, S: Optional[ArrayLike],
     dWo = O2.T @ dy2
     dO = (dy2 @ params.Wo.T).reshape(B, T, H, Dv)
     # O, S_T = recurrence(q, k, v, alpha=gate, beta=eta, S), q and k normalised in the kernel
-    g = gated_delta_rule_backward(dO, q, k, v, beta=eta, alpha=gate, initial_state=S, dS_T=dS_T,
-                                  scale=scale, num_threads=num_threads, check_values=False,
-                                  delta_rule=delta_rule, normalize_qk=normalize_qk,
-                                  checkpoints=ck)
+    g = _train_backward(dO, q, k, v, beta=eta, alpha=gate, initial_state=S, dS_T=dS_T,
+                        scale=scale, num_threads=num_threads, delta_rule=delta_rule,
+                        normalize_qk=normalize_qk, checkpoints=ck, algorithm=algorithm,
+                        chunk_size=chunk_size)
     dq, dk = g.dq, g.dk
     # gate = sigmoid(h Wg_state), eta = sigmoid(h Weta)
     dg_pre = g.dalpha * gate * (1 - gate) if gated else np.zeros_like(gate)

@@ -405,3 +405,92 @@ def test_torch_training_hands_over_chunk_states(case):
     for name, field in [("q", "dq"), ("k", "dk"), ("v", "dv"), ("beta", "dbeta"), ("g", "dgate"),
                         ("initial_state", "d_initial_state")]:
         np.testing.assert_array_equal(grads[name], want[field], err_msg=name)
+
+
+def test_per_key_gate_given_as_a_broadcast_view_keeps_per_key_gradients():
+    """A per-key gate [B, T, HV, Dk] that is a stride-0 view of one number per token is still a
+    per-key argument: its gradient comes back per key, as the recurrence computes it."""
+    P = problem(np.random.default_rng(22), T=70)
+    P["g"] = np.broadcast_to(P["g"][..., None], P["g"].shape + (20,))
+    assert P["g"].strides[-1] == 0
+    for algorithm in ("chunk", "auto"):
+        assert_agree(run(P, algorithm), run(P, "recurrent"), 0, algorithm)
+
+
+# ---- the other front ends pass the choice through ---------------------------------------------
+
+def test_layer_trains_in_the_chunk_form():
+    """gated_deltanet_forward / _backward with algorithm="chunk": the cache holds the chunk
+    states, and the gradients agree with the recurrence's (float64)."""
+    from gdn_ext.layer import GatedDeltaNetParams, gated_deltanet_backward, gated_deltanet_forward
+    rng = np.random.default_rng(23)
+    params = GatedDeltaNetParams.init(24, 8, 8, n_heads=2, seed=1, dtype=np.float64)
+    x = rng.standard_normal((2, 100, 24))
+    dy = rng.standard_normal((2, 100, 24))
+    out = {}
+    for algorithm in ("chunk", "recurrent"):
+        y, S_T, cache = gated_deltanet_forward(x, None, params, normalize_qk=True, scale=0.5,
+                                               algorithm=algorithm, chunk_size=16,
+                                               return_cache=True)
+        grads = gated_deltanet_backward(dy, x, None, params, normalize_qk=True, scale=0.5,
+                                        cache=cache, algorithm=algorithm, chunk_size=16)
+        out[algorithm] = (y, S_T, cache, grads)
+    c, r = out["chunk"], out["recurrent"]
+    assert c[2].checkpoints.shape[-3] == -(-100 // 16)          # a state per chunk
+    assert_rel_close(c[0], r[0], 1e-12, "y")
+    assert_rel_close(c[3].dx, r[3].dx, 1e-12, "dx")
+    for (name, a), (_, b) in zip(c[3].dparams, r[3].dparams):
+        assert_rel_close(a, b, 1e-11, name)
+
+
+def test_dask_passes_the_form_to_each_task():
+    da = pytest.importorskip("dask.array")
+    import gdn_ext.dask as gd
+    P = problem(np.random.default_rng(24), B=2, T=80)
+    lazy = {n: da.from_array(x, chunks=(1,) + x.shape[1:]) for n, x in P.items()}
+    for algorithm in ("chunk", "recurrent"):
+        kw = dict(beta=lazy["beta"], g=lazy["g"], initial_state=lazy["initial_state"],
+                  algorithm=algorithm, chunk_size=16)
+        o, S_T = gd.gated_delta_rule(lazy["q"], lazy["k"], lazy["v"], **kw)
+        grads = gd.gated_delta_rule_backward(lazy["do"], lazy["q"], lazy["k"], lazy["v"],
+                                             dS_T=lazy["dS_T"], **kw)
+        want = run(P, algorithm, 16)
+        np.testing.assert_array_equal(o.compute(), want["o"])
+        np.testing.assert_array_equal(grads.dq.compute(), want["dq"])
+        np.testing.assert_array_equal(grads.dg.compute(), want["dgate"])
+    with pytest.raises(ValueError, match="algorithm"):
+        gd.gated_delta_rule(lazy["q"], lazy["k"], lazy["v"], beta=lazy["beta"], g=lazy["g"],
+                            algorithm="fast")
+
+
+def test_fla_drop_ins_run_the_forms_their_names_say():
+    """chunk_gated_delta_rule runs the chunk form (whatever fla's chunk_size, a GPU tiling
+    knob), fused_recurrent_gated_delta_rule the recurrence, each bit for bit."""
+    import gdn_ext.torch as gt
+    P = problem(np.random.default_rng(25), T=80)
+    q, k, v = (torch.tensor(P[n]) for n in ("q", "k", "v"))
+    beta, g = torch.tensor(P["beta"]), torch.tensor(P["g"])
+    h0 = torch.tensor(P["initial_state"])
+    for fn, algorithm in ((gt.chunk_gated_delta_rule, "chunk"),
+                          (gt.fused_recurrent_gated_delta_rule, "recurrent")):
+        o, _ = fn(q, k, v, g=g, beta=beta, scale=0.5, initial_state=h0.transpose(-1, -2),
+                  check_values=False)
+        want = gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], beta=P["beta"], g=P["g"],
+                                        scale=0.5, initial_state=P["initial_state"],
+                                        algorithm=algorithm).o
+        np.testing.assert_array_equal(o.numpy(), want)
+
+
+def test_torch_module_takes_the_form():
+    from gdn_ext.torch import GatedDeltaNet
+    torch.manual_seed(0)
+    layers = {a: GatedDeltaNet(32, 2, 4, 8, 8, dtype=torch.float64, algorithm=a)
+              for a in ("chunk", "recurrent")}
+    layers["recurrent"].load_state_dict(layers["chunk"].state_dict())
+    x = torch.randn(2, 90, 32, dtype=torch.float64)
+    y_c, _ = layers["chunk"](x)
+    y_r, _ = layers["recurrent"](x)
+    torch.testing.assert_close(y_c, y_r, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(y_c, y_r)   # two forms, two roundings
+    with pytest.raises(ValueError, match="algorithm"):
+        GatedDeltaNet(32, 2, 4, 8, 8, algorithm="fast")

@@ -52,8 +52,9 @@ def _expect(t, name, shape, layout):
 def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
               use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
               use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
-              ungated_ok, check_values=True):
-    """flash-linear-attention's conventions, checked -> gated_delta_rule -> theirs."""
+              ungated_ok, check_values=True, algorithm="auto", chunk_size=None):
+    """flash-linear-attention's conventions, checked -> gated_delta_rule (in the form algorithm
+    and chunk_size name) -> theirs."""
     _tensor(q, "q")
     if q.dim() != 4:
         raise ValueError(f"q must have shape [B, T, H, K]; got {_shape(q)}")
@@ -131,7 +132,7 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
         q, k, v, beta=beta, g=log_decay,
         initial_state=None if initial_state is None else initial_state.to(dt), scale=scale,
         output_final_state=output_final_state, normalize_qk=bool(use_qk_l2norm_in_kernel),
-        cu_seqlens=cu_seqlens, check_values=False)
+        cu_seqlens=cu_seqlens, check_values=False, algorithm=algorithm, chunk_size=chunk_size)
     if S_T is not None and not state_v_first:   # a fresh [N, HV, K, V], as fla returns
         S_T = S_T.transpose(-1, -2).contiguous()
     return o.to(out_dtype), S_T
@@ -193,7 +194,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
       output_final_state: return the final state (same layout) or None.
       use_qk_l2norm_in_kernel: q, k -> x / sqrt(sum x^2 + 1e-6).
       cu_seqlens: LongTensor [N + 1], packed sequences with B = 1.
-      cu_seqlens_cpu, chunk_indices, chunk_size (16, 32, 64): GPU tuning, accepted and ignored.
+      cu_seqlens_cpu, chunk_indices, chunk_size (16, 32, 64): GPU tuning, accepted and ignored
+        (the chunkwise form here uses gdn_ext's chunk size, so the result never depends on it).
       cp_context: context parallelism, not supported (TypeError unless None).
       head_first: removed upstream (ValueError if true).
       gk: [B, T, HV, K] per-key-channel log decay (beyond fla's chunk function; alone or added
@@ -231,8 +233,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if beta is None:
         raise ValueError("chunk_gated_delta_rule needs beta [B, T, HV]")
     state_v_first = _state_layout(state_v_first, transpose_state_layout)
+    # chunk_size tunes fla's GPU tiling, never the result: the chunk form here runs with
+    # gdn_ext's own chunk size whatever it is
     return _fla_call(**_fla_args(locals()), ungated_ok=False,
-                     check_values=flag(check_values, "check_values"))
+                     check_values=flag(check_values, "check_values"), algorithm="chunk")
 
 
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -261,11 +265,13 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     Arguments as :func:`chunk_gated_delta_rule`, and: g and gk both optional (neither: the
     ungated delta rule, alpha = 1); gk [B, T, HV, K] per-key-channel log decay (alone or added to
     g); beta defaults to 1; gv (per-value-channel decay) is not supported (TypeError unless
-    None). Dtypes and the result as :func:`chunk_gated_delta_rule`. The same C kernels serve
-    both drop-ins: they run the recurrence token by token.
+    None). Dtypes and the result as :func:`chunk_gated_delta_rule`. This one runs the
+    recurrence token by token; :func:`chunk_gated_delta_rule` the chunkwise form (a gate per key
+    channel: the recurrence there too).
     """
     if gv is not None:
         raise TypeError("gv (a per-value-channel decay) is not supported")
     state_v_first = _state_layout(state_v_first, transpose_state_layout)
     return _fla_call(**_fla_args(locals()), ungated_ok=True,
-                     check_values=flag(check_values, "check_values"))
+                     check_values=flag(check_values, "check_values"), algorithm="recurrent",
+                     chunk_size=None)

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fla import chunk_gated_delta_rule
+from .._algorithm import check_algorithm
+from .fla import _fla_call as fla_call
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetState"]
 
@@ -51,6 +52,8 @@ class GatedDeltaNet(nn.Module):
       rms_norm_eps: epsilon of the gated RMSNorm.
       activation: after the convolution, one of ACTIVATIONS ("silu" in Qwen3-Next and fla).
       dtype, device: of the parameters (CPU; float16, bfloat16, float32 or float64).
+      algorithm, chunk_size: the form of the recurrence, as :func:`gdn_ext.torch.gated_delta_rule`
+        ("auto": the chunkwise form for sequences of 64 tokens or more).
 
     ``forward(x, state=None, attention_mask=None)``: x [B, T, D]; state a
     :class:`GatedDeltaNetState` from the previous call (None: zeros, the start of a sequence);
@@ -82,8 +85,10 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
-                 activation: str = "silu", dtype: Optional[torch.dtype] = None, device=None):
+                 activation: str = "silu", dtype: Optional[torch.dtype] = None, device=None,
+                 algorithm: str = "auto", chunk_size: Optional[int] = None):
         super().__init__()
+        self.algorithm, self.chunk_size = check_algorithm(algorithm, chunk_size)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}; got "
                              f"{activation!r}")
@@ -187,9 +192,12 @@ class GatedDeltaNet(nn.Module):
         if keep is not None:   # a padded token: decay 1 and no write, the state passes unchanged
             g = torch.where(keep[:, :, None], g, g.new_zeros(()))
             beta = torch.where(keep[:, :, None], beta, beta.new_zeros(()))
-        o, recurrent = chunk_gated_delta_rule(
-            q, k, v, g, beta, scale=1 / math.sqrt(K), initial_state=recurrent,
-            output_final_state=True, use_qk_l2norm_in_kernel=True,
+        o, recurrent = fla_call(   # flash-linear-attention's chunk_gated_delta_rule, our form
+            q, k, v, g, None, beta, scale=1 / math.sqrt(K), initial_state=recurrent,
+            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
+            A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+            state_v_first=False, cu_seqlens=None, ungated_ok=False, algorithm=self.algorithm,
+            chunk_size=self.chunk_size,
             check_values=False)   # gates in range by construction; x [B, T, D] has one layout
         o = self.norm(o.reshape(-1, V), z.reshape(-1, V)).reshape(B, T, HV * V)
         y = self.out_proj(o)
