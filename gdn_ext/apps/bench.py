@@ -486,9 +486,10 @@ def training_targets(threads=None, repeat=3, T=2048, BH=4, dims=(64, 128, 256), 
     peak = {(dt, n): _core.fma_peak(dt == np.float64, n, 0.3)
             for dt in (np.float32, np.float64) for n in sorted({1, threads})}
 
-    def calls(x, nt, **kw):
+    def calls(x, nt, **kw):   # the recurrence (the chunk form's targets: chunk_targets)
         args = (x["q"], x["k"], x["v"])
-        rest = dict(beta=x["beta"], g=x["g"], num_threads=nt, check_values=False, **kw)
+        rest = dict(beta=x["beta"], g=x["g"], num_threads=nt, check_values=False,
+                    algorithm="recurrent", **kw)
         o, _, ck = gdn_ext.gated_delta_rule(*args, **rest, return_checkpoints=True)
         do = np.ones_like(o)
         return (lambda: gdn_ext.gated_delta_rule(*args, **rest),
@@ -534,6 +535,114 @@ def training_targets(threads=None, repeat=3, T=2048, BH=4, dims=(64, 128, 256), 
         f"{np.dtype(dt).name} {n} threads": p for (dt, n), p in peak.items()}, rows=rows)
 
 
+def _ab(fns, repeat):
+    """Median seconds of each function, called in alternated rounds (one of each per round), so
+    that a drifting machine slows them alike."""
+    for fn in fns:
+        fn()                                           # warm-up
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
+
+
+def chunk_targets(threads=None, repeat=5, T=2048, BH=4, D=128, many_BH=64, few=(4096, 8192),
+                  log=print):
+    """The chunk form's targets, each a ratio measured in this run (alternated rounds): C1 a
+    training step through gdn_ext.torch (forward + backward, scalar gate, 1 thread), the
+    recurrence's time over the chunk form's, float32 and float64; C2 transformers' chunked
+    fallback over gdn_ext.torch ("auto"), forward + backward, on 1 and all threads; C3 the
+    forward ("auto") against the FMA peak counting the recurrent 7 Dk Dv flops per token, on 1
+    thread (B*H = ``BH``) and on default threads (B*H = ``many_BH``); C4 one sequence's speed-up
+    on all threads (B = 1, H = 4, T = few[0]) and on 2 (B = H = 1, T = few[1]); C5 the float64
+    agreement of the two forms (max relative difference, forward and gradients)."""
+    threads = threads or default_threads()
+    rows = []
+    log(f"chunk-form targets: T={T}, B*H={BH}, D={D}, median of {repeat} alternated rounds; "
+        f"all threads = {threads}")
+    flops = 7 * D * D * T
+    try:
+        import torch
+        import gdn_ext.torch as gt
+    except ImportError:
+        torch = None
+        log("      (torch is not installed: C1 and C2 skipped)")
+    if torch is not None:
+        torch.set_num_threads(1)
+        for dt in (np.float32, np.float64):
+            x = {n: torch.from_numpy(a).requires_grad_() for n, a in
+                 _inputs(1, T, BH, D, dt).items()}
+            do = torch.ones_like(x["v"])
+
+            def step(algorithm, x=x, do=do):
+                for a in x.values():
+                    a.grad = None
+                o, _ = gt.gated_delta_rule(x["q"], x["k"], x["v"], beta=x["beta"], g=x["g"],
+                                           num_threads=1, check_values=False, algorithm=algorithm)
+                o.backward(do)
+            rec, chk = _ab([lambda: step("recurrent"), lambda: step("chunk")], repeat)
+            log(f"      {np.dtype(dt).name}: step recurrent {rec * 1e3:.1f} ms, chunk "
+                f"{chk * 1e3:.1f} ms")
+            _target_row(rows, log, "C1", f"training step recurrent / chunk, 1 thread, "
+                        f"{np.dtype(dt).name}", rec / chk, ">= 1.3")
+        try:
+            import transformers.models.qwen3_next.modeling_qwen3_next as q3
+        except ImportError:
+            q3 = None
+            log("      (transformers is not installed: C2 skipped)")
+        x = {n: torch.from_numpy(a).requires_grad_() for n, a in
+             _inputs(1, T, BH, D, np.float32).items()}
+        for nt in sorted({1, threads}) if q3 is not None else ():
+            torch.set_num_threads(nt)
+
+            def ours(nt=nt):
+                o, _ = gt.gated_delta_rule(x["q"], x["k"], x["v"], beta=x["beta"], g=x["g"],
+                                           num_threads=nt, check_values=False)
+                o.backward(torch.ones_like(o))
+
+            def theirs():
+                o, _ = q3.torch_chunk_gated_delta_rule(x["q"], x["k"], x["v"], g=x["g"],
+                                                       beta=x["beta"])
+                o.backward(torch.ones_like(o))
+            a, b = _ab([theirs, ours], max(1, repeat // 2))
+            _target_row(rows, log, "C2", f"transformers chunk fwd+bwd / gdn_ext.torch, {nt} thr",
+                        a / b, ">= 7" if nt == 1 else ">= 15")
+        torch.set_num_threads(threads)
+    peak1 = _core.fma_peak(False, 1, 0.3)
+    x = _inputs(1, T, BH, D, np.float32)
+    fwd = _gdn_calls(x, 1, check_values=False)[0]
+    rec = _gdn_calls(x, 1, check_values=False, algorithm="recurrent")[0]
+    t_auto, t_rec = _ab([fwd, rec], repeat)
+    log(f"      forward 1 thread: auto {flops * BH / t_auto / 1e9 / peak1:.2f} x peak, recurrent "
+        f"{flops * BH / t_rec / 1e9 / peak1:.2f} x peak")
+    _target_row(rows, log, "C3", "forward (auto), 1 thread, float32", flops * BH / t_auto / 1e9
+                / peak1, ">= 0.75", "peak")
+    peak_all = _core.fma_peak(False, threads, 0.3)
+    x = _inputs(1, T, many_BH, D, np.float32)
+    (t_many,) = _ab([_gdn_calls(x, None, check_values=False)[0]], repeat)
+    _target_row(rows, log, "C3", f"forward (auto), B*H={many_BH}, default threads",
+                flops * many_BH / t_many / 1e9 / peak_all, ">= 0.5", "peak")
+    for (H, T1, nt, bound) in ((4, few[0], threads, ">= 8"), (1, few[1], 2, ">= 1.7")):
+        x = _inputs(1, T1, H, D, np.float32)
+        one, many = _ab([_gdn_calls(x, 1, check_values=False)[0],
+                         _gdn_calls(x, nt, check_values=False)[0]], repeat)
+        _target_row(rows, log, "C4", f"forward B=1 H={H} T={T1}: 1 thread / {nt} threads",
+                    one / many, bound)
+    x = _inputs(1, min(T, 512), 2, min(D, 64), np.float64)
+    worst = 0.0
+    for alg_pair in (("chunk", "recurrent"),):
+        r = [_gdn_calls(x, 1, algorithm=a, check_values=False) for a in alg_pair]
+        for fa, fb in ((r[0][0], r[1][0]), (r[0][1], r[1][1])):
+            for a, b in zip(fa(), fb()):
+                worst = max(worst, float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300)))
+    _target_row(rows, log, "C5", "float64 chunk vs recurrent, max relative difference", worst,
+                "<= 1e-12", "")
+    return dict(threads=threads, T=T, BH=BH, D=D, rows=rows)
+
+
 def _torch_targets(rows, log, threads, repeat, T, BH, D):
     """Target 2 (torch path against the NumPy calls it makes) and 3 (transformers' chunked
     fallback against gdn_ext), float32, Dk = Dv = D, scalar gate."""
@@ -548,7 +657,8 @@ def _torch_targets(rows, log, threads, repeat, T, BH, D):
     for nt in sorted({1, threads}):
         torch.set_num_threads(nt)
         args = (x["q"], x["k"], x["v"])
-        rest = dict(beta=x["beta"], g=x["g"], num_threads=nt, check_values=False)
+        rest = dict(beta=x["beta"], g=x["g"], num_threads=nt, check_values=False,
+                    algorithm="recurrent")
         do = np.ones_like(x["v"])
 
         def numpy_pair():
@@ -564,7 +674,8 @@ def _torch_targets(rows, log, threads, repeat, T, BH, D):
             for a in leaves.values():
                 a.grad = None
             o, _ = gt.gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], beta=leaves["beta"],
-                                       g=leaves["g"], num_threads=nt, check_values=False)
+                                       g=leaves["g"], num_threads=nt, check_values=False,
+                                       algorithm="recurrent")
             o.backward(do_t)
         tp = _timeit(torch_path, repeat)
         _target_row(rows, log, "2", f"gdn_ext.torch fwd+bwd / NumPy fwd_ckpt+bwd_ckpt, {nt} thr",
@@ -693,7 +804,11 @@ def build_parser():
                          "NumPy calls it makes, transformers' chunked fallback / gdn_ext, the "
                          "forward on all threads as a fraction of their multiply-add peak, few "
                          "(sequence, head) pairs on one thread / on all threads, and decoding-"
-                         "step times; each line ends with a reference value and whether the "
+                         "step times, all of the recurrence; then the chunk form's: a training "
+                         "step recurrent / chunk, transformers / gdn_ext.torch, the forward "
+                         "('auto') as a fraction of the peak, one sequence on all threads / one, "
+                         "and the float64 agreement of the two forms; each line ends with a "
+                         "reference value and whether the "
                          "measurement is within it (with --quick, tiny sizes)")
     ap.add_argument("--json", metavar="FILE", default=None,
                     help="write every number to FILE as JSON (default: no file)")
@@ -715,7 +830,10 @@ def main(argv=None):
     if a.targets:
         kw = dict(T=64, BH=2, dims=(16,), many_BH=4, few_T=64, decode=(2, 16, 5),
                   repeat=1) if a.quick else dict(repeat=a.repeat)
-        res = dict(training_targets=training_targets(a.threads, **kw))
+        ckw = dict(T=64, BH=2, D=16, many_BH=4, few=(64, 64), repeat=1) if a.quick else dict(
+            repeat=a.repeat)
+        res = dict(training_targets=training_targets(a.threads, **kw),
+                   chunk_targets=chunk_targets(a.threads, **ckw))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)
