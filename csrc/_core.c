@@ -634,7 +634,8 @@ static void fwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
         .ck_k = ck->c[g + 2]};
     gdn_sizes sz;
     if (call_sizes(&sz, &L, kind, dims, "tkv", &st.in) == 0) {
-        const int nt = team_size(sz.chunk ? sz.N * sz.NS : gdn_fwd_items(sz.N * sz.NS, sz.Dv));
+        const int nt = team_size(sz.chunk ? gdn_chunk_fwd_items(sz.N * sz.NS, sz.Dv)
+                                          : gdn_fwd_items(sz.N * sz.NS, sz.Dv));
         gdn_fwd_call call = {
             .q = arg(&L, R_Q), .k = arg(&L, R_K), .v = arg(&L, R_V), .alpha = arg(&L, R_A),
             .beta = arg(&L, R_B), .S_0 = arg(&L, R_S0), .scale = arg(&L, R_SC),

@@ -287,6 +287,11 @@ ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv);
  * gdn_chunk_checkpoint_count of them, in the state's layout [Dv, Dk]; pairs that auto gives the
  * recurrence leave their slots alone and make their own checkpoints in the backward. */
 ptrdiff_t gdn_chunk_checkpoint_count(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv);
+/* The chunk forward's work items: pairs times strips of value columns, at least
+ * GDN_CHUNK_MIN_STRIP columns each (every strip recomputes the chunk's Q K^T, K K^T and UT
+ * transform: narrower ones would spend more on that than they gain) */
+#define GDN_CHUNK_MIN_STRIP 32
+ptrdiff_t gdn_chunk_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv);
 /* the chunk buffers of one thread, whole cache lines (bwd: the backward's, for max_len tokens) */
 size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_t Dv, int bwd);
 size_t gdn_chunk_fwd_workspace_len(const gdn_sizes *sz);

@@ -373,6 +373,12 @@ void gdn_backward_f64(const gdn_bwd_call *call)
     (call->sz->chunk > 0 ? kernels[isa_level].chunk_backward_f64 : kernels[isa_level].backward_f64)(call);
 }
 
+ptrdiff_t gdn_chunk_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv)
+{
+    return npairs * (Dv > GDN_CHUNK_MIN_STRIP ? (Dv + GDN_CHUNK_MIN_STRIP - 1) / GDN_CHUNK_MIN_STRIP
+                                              : 1);
+}
+
 ptrdiff_t gdn_chunk_segment(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv)
 {
     const double DD = (double)((Dk + 2 * GDN_CHUNK_PAD - 1) / GDN_CHUNK_PAD * GDN_CHUNK_PAD)

@@ -161,6 +161,24 @@ def test_bitwise_across_thread_counts(dtype):
             np.testing.assert_array_equal(got[name], ref[name], err_msg=f"{name}, {nt} threads")
 
 
+@pytest.mark.parametrize("auto", [False, True])
+def test_one_sequence_split_between_threads_bitwise(auto):
+    """Fewer pairs than threads: the forward splits the value columns between threads (the
+    recurrence's fallback too, under auto): bit for bit what one thread gives, for 80 columns
+    (strips of 32, 32 and 16)."""
+    P = problem(np.random.default_rng(26), B=1, T=130, H=1, Dk=24, Dv=80)
+    if auto:
+        P["beta"][0, 5, 0] = 100.0   # beta ||k||^2 > 2: auto gives this pair the recurrence
+    alg = "auto" if auto else "chunk"
+    kw = dict(beta=P["beta"], g=P["g"], initial_state=P["initial_state"], algorithm=alg,
+              check_values=False)
+    ref = gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], num_threads=1, **kw)
+    for nt in (2, 3, 4):
+        got = gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], num_threads=nt, **kw)
+        np.testing.assert_array_equal(got.o, ref.o, err_msg=f"{nt} threads")
+        np.testing.assert_array_equal(got.S_T, ref.S_T, err_msg=f"{nt} threads")
+
+
 def _loss(P, do, dST, **kw):
     o, S_T = gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], beta=P["beta"], g=P["g"],
                                       initial_state=P["initial_state"], **kw)
