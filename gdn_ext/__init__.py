@@ -29,13 +29,14 @@ __all__ = [   # written out (not computed from _LIBRARY), so that type checkers 
     "gated_delta_rule_step", "openmp_enabled", "checkpoint_interval", "checkpoint_count",
     "threads", "GatedDeltaRuleOutput", "GatedDeltaRuleOutputWithCheckpoints",
     "GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult", "LayerStepResult", "LayerGrads",
-    "LayerCache", "reference", "__version__"]
+    "LayerCache", "ChunkIntermediates", "reference", "__version__"]
 
 # Importable without the compiled module: the oracle and the result types.
 from . import reference  # noqa: E402
-from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG,  # noqa: E402
-                       GatedDeltaRuleOutput, GatedDeltaRuleOutputWithCheckpoints, LayerCache,
-                       LayerGrads, LayerStepResult, StepResult)
+from ._results import (ChunkIntermediates, GatedDeltaRuleGrads,  # noqa: E402
+                       GatedDeltaRuleGradsG, GatedDeltaRuleOutput,
+                       GatedDeltaRuleOutputWithCheckpoints, LayerCache, LayerGrads,
+                       LayerStepResult, StepResult)
 
 # The compiled module, loaded by _native (which holds the error to raise when it is missing)
 from ._native import CORE_ERROR as _CORE_ERROR  # noqa: E402
