@@ -678,7 +678,8 @@ static void bwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
         .ds0_n = ds0->n, .ds0_s = g ? ds0->c[0] : 0, .ds0_v = ds0->c[g], .ds0_k = ds0->c[g + 1]};
     gdn_sizes sz;
     if (call_sizes(&sz, &L, kind, dims, "tvk", &st.in) == 0) {
-        const int nt = team_size(sz.chunk ? sz.N * sz.NS : gdn_bwd_items(sz.N * sz.NS, sz.Dv));
+        const int nt = team_size(sz.chunk ? gdn_chunk_bwd_items(&sz)
+                                          : gdn_bwd_items(sz.N * sz.NS, sz.Dv));
         gdn_bwd_call call = {
             .d_o = arg(&L, R_DO), .q = arg(&L, R_Q), .k = arg(&L, R_K), .v = arg(&L, R_V),
             .alpha = arg(&L, R_A), .beta = arg(&L, R_B), .S_0 = arg(&L, R_S0),
@@ -689,7 +690,7 @@ static void bwd_loop(char **args, npy_intp const *dims, npy_intp const *steps, v
             .dalpha = arg(&L, R_DA), .dbeta = arg(&L, R_DB), .dS_0 = arg(&L, R_DS0),
             .st = &st, .sz = &sz, .num_threads = nt};
         const kernel_job job = {.bwd = &call, .f64 = kind->f64};
-        const size_t wlen = sz.chunk ? gdn_chunk_bwd_workspace_len(&sz)
+        const size_t wlen = sz.chunk ? gdn_chunk_bwd_workspace_len(&sz, gdn_chunk_bwd_team(&sz, nt))
                                      : gdn_bwd_workspace_len(sz.max_len, sz.Dk, sz.Dv);
         run_with_workspace(nt, wlen, L.is[0], 0, &sz, &job);
     }

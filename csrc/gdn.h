@@ -295,7 +295,17 @@ ptrdiff_t gdn_chunk_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv);
 /* the chunk buffers of one thread, whole cache lines (bwd: the backward's, for max_len tokens) */
 size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_t Dv, int bwd);
 size_t gdn_chunk_fwd_workspace_len(const gdn_sizes *sz);
-size_t gdn_chunk_bwd_workspace_len(const gdn_sizes *sz);
+/* The backward runs pairs one after another, each on the whole team of nt threads, when there
+ * are GDN_CHUNK_TEAM_MIN threads or more per pair (and the call is not tiny): the walk over dH by
+ * strips of value columns, then the chunks in parallel; its states then live in memory of its
+ * own (calloc), and the threads' workspace holds no states. Otherwise one thread per pair. Either
+ * way the same bits. The team does about 1.6 x the work (the walk recomputes what the chunks
+ * then recompute again) and touches fresh memory for every chunk's states: on 2 threads one pair
+ * ran 1.5 x slower than on one. */
+#define GDN_CHUNK_TEAM_MIN 4
+int gdn_chunk_bwd_team(const gdn_sizes *sz, int nt);
+size_t gdn_chunk_bwd_workspace_len(const gdn_sizes *sz, int team);
+ptrdiff_t gdn_chunk_bwd_items(const gdn_sizes *sz);   /* work items: pairs times chunks */
 
 /* The multiply-add ceiling of the instruction set the kernels use: GFLOP/s (a multiply-add counts
  * 2) of independent vector FMA chains on num_threads threads (0: OpenMP's default), float32 or

@@ -428,9 +428,24 @@ size_t gdn_chunk_fwd_workspace_len(const gdn_sizes *sz)
     return sz->chunk_auto ? c + r : with_slack(c);
 }
 
-size_t gdn_chunk_bwd_workspace_len(const gdn_sizes *sz)
+int gdn_chunk_bwd_team(const gdn_sizes *sz, int nt)
 {
-    const size_t c = gdn_chunk_part_len(sz->chunk, sz->max_len, sz->Dk, sz->Dv, 1);
+    const int parallel = (double)sz->N * (double)sz->T * (double)sz->Dk * (double)sz->Dv
+                         >= GDN_PARALLEL_MIN_WORK;
+    return parallel && sz->N * sz->NS * GDN_CHUNK_TEAM_MIN <= nt;
+}
+
+ptrdiff_t gdn_chunk_bwd_items(const gdn_sizes *sz)
+{
+    const ptrdiff_t NT = sz->chunk > 0 ? (sz->max_len + sz->chunk - 1) / sz->chunk : 0;
+    return sz->N * sz->NS * (NT > 1 ? NT : 1);
+}
+
+size_t gdn_chunk_bwd_workspace_len(const gdn_sizes *sz, int team)
+{
+    /* a team's threads hold one chunk's buffers, no states */
+    const size_t c = team ? lines(gdn_chunk_ws_f64_generic(sz->chunk, sz->Dk, sz->Dv, 1, 0))
+                          : gdn_chunk_part_len(sz->chunk, sz->max_len, sz->Dk, sz->Dv, 1);
     size_t r = 0;
     if (sz->chunk_auto) {
         const size_t p = gdn_bwd_pair_len(sz->max_len, sz->Dk, sz->Dv);
