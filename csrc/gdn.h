@@ -301,8 +301,9 @@ size_t gdn_chunk_fwd_workspace_len(const gdn_sizes *sz);
  * own (calloc), and the threads' workspace holds no states. Otherwise one thread per pair. Either
  * way the same bits. The team does about 1.6 x the work (the walk recomputes what the chunks
  * then recompute again) and touches fresh memory for every chunk's states: on 2 threads one pair
- * ran 1.5 x slower than on one. */
-#define GDN_CHUNK_TEAM_MIN 4
+ * ran 1.5 x slower than on one. (As the recurrent backward's GDN_BWD_SPLIT.) */
+#define GDN_CHUNK_TEAM_MIN 8   /* 16-core Xeon: one pair on 16 threads 1.3 x faster than one thread;
+                                * 4 pairs on 16, 2.1 x slower than one thread per pair */
 int gdn_chunk_bwd_team(const gdn_sizes *sz, int nt);
 size_t gdn_chunk_bwd_workspace_len(const gdn_sizes *sz, int team);
 ptrdiff_t gdn_chunk_bwd_items(const gdn_sizes *sz);   /* work items: pairs times chunks */
