@@ -280,8 +280,9 @@ void gdn_backward_f32(const gdn_bwd_call *call);
 #define GDN_CHUNK_KEEP_ELEMENTS 4194304.0   /* 16 MiB of floats, 32 MiB of doubles per pair */
 #endif
 ptrdiff_t gdn_chunk_segment(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv);   /* R */
-/* the states it then holds: NT, or ceil(NT / R) + R */
-ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv);
+/* the states it then holds: NT, or ceil(NT / R) + R; given (the forward's states come in ckpt,
+ * sz->chunk_states): none, or one segment's R */
+ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv, int given);
 /* With sz->chunk_states the forward's ckpt receives, and the backward's reads, the states
  * entering chunks 0, R, 2R, ... of each pair that runs the chunk form (R = gdn_chunk_segment),
  * gdn_chunk_checkpoint_count of them, in the state's layout [Dv, Dk]; pairs that auto gives the
@@ -292,8 +293,10 @@ ptrdiff_t gdn_chunk_checkpoint_count(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptr
  * transform: narrower ones would spend more on that than they gain) */
 #define GDN_CHUNK_MIN_STRIP 32
 ptrdiff_t gdn_chunk_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv);
-/* the chunk buffers of one thread, whole cache lines (bwd: the backward's, for max_len tokens) */
-size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_t Dv, int bwd);
+/* the chunk buffers of one thread, whole cache lines (bwd: the backward's, for max_len tokens;
+ * given: as gdn_chunk_states_held) */
+size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_t Dv, int bwd,
+                          int given);
 size_t gdn_chunk_fwd_workspace_len(const gdn_sizes *sz);
 /* The backward runs pairs one after another, each on the whole team of nt threads, when there
  * are GDN_CHUNK_TEAM_MIN threads or more per pair (and the call is not tiny): the walk over dH by

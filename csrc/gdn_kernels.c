@@ -389,9 +389,10 @@ ptrdiff_t gdn_chunk_segment(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv)
     return R;
 }
 
-ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv)
+ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv, int given)
 {
     const ptrdiff_t R = gdn_chunk_segment(NT, Dk, Dv);
+    if (given) return R == 1 ? 0 : R;
     return R == 1 ? NT : (NT + R - 1) / R + R;
 }
 
@@ -409,9 +410,11 @@ ptrdiff_t gdn_chunk_checkpoint_count(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptr
 }
 
 /* every instance pads to GDN_CHUNK_PAD: the portable one counts for all */
-size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_t Dv, int bwd)
+size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_t Dv, int bwd,
+                          int given)
 {
-    const ptrdiff_t nt = bwd && C > 0 ? gdn_chunk_states_held((max_len + C - 1) / C, Dk, Dv) : 0;
+    const ptrdiff_t nt =
+        bwd && C > 0 ? gdn_chunk_states_held((max_len + C - 1) / C, Dk, Dv, given) : 0;
     /* the states of nt chunks dominate; refuse sizes whose count would overflow */
     if ((double)nt * (double)(Dk + 2 * GDN_CHUNK_PAD) * (double)(Dv + 2 * GDN_CHUNK_PAD)
         > (double)(SIZE_MAX / 16))
@@ -422,7 +425,7 @@ size_t gdn_chunk_part_len(ptrdiff_t C, ptrdiff_t max_len, ptrdiff_t Dk, ptrdiff_
 /* the chunk buffers, then (auto) the recurrence's workspace for the pairs that take it */
 size_t gdn_chunk_fwd_workspace_len(const gdn_sizes *sz)
 {
-    const size_t c = gdn_chunk_part_len(sz->chunk, sz->max_len, sz->Dk, sz->Dv, 0);
+    const size_t c = gdn_chunk_part_len(sz->chunk, sz->max_len, sz->Dk, sz->Dv, 0, 0);
     const size_t r = sz->chunk_auto ? gdn_fwd_workspace_len(sz->max_len, sz->Dk, sz->Dv) : 0;
     if (c == SIZE_MAX || r == SIZE_MAX || c > SIZE_MAX / 2 - r) return SIZE_MAX;
     return sz->chunk_auto ? c + r : with_slack(c);
@@ -445,7 +448,8 @@ size_t gdn_chunk_bwd_workspace_len(const gdn_sizes *sz, int team)
 {
     /* a team's threads hold one chunk's buffers, no states */
     const size_t c = team ? lines(gdn_chunk_ws_f64_generic(sz->chunk, sz->Dk, sz->Dv, 1, 0))
-                          : gdn_chunk_part_len(sz->chunk, sz->max_len, sz->Dk, sz->Dv, 1);
+                          : gdn_chunk_part_len(sz->chunk, sz->max_len, sz->Dk, sz->Dv, 1,
+                                               sz->chunk_states);
     size_t r = 0;
     if (sz->chunk_auto) {
         const size_t p = gdn_bwd_pair_len(sz->max_len, sz->Dk, sz->Dv);
