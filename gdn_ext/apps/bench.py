@@ -24,6 +24,7 @@ linearly), Dk = Dv and threads, and one decode step against a full call's per-to
 padded-batch row, ``--scaling 1 2 4 8 16`` only a thread-scaling measurement (parallel efficiency
 = speed-up / threads; use ``--repeat`` 5 or more, single runs on a shared machine are noise).
 """
+import gc
 import json
 import os
 import platform
@@ -537,15 +538,27 @@ def training_targets(threads=None, repeat=3, T=2048, BH=4, dims=(64, 128, 256), 
 
 def _ab(fns, repeat):
     """Median seconds of each function, called in alternated rounds (one of each per round), so
-    that a drifting machine slows them alike."""
+    that a drifting machine slows them alike. Python's cyclic garbage collector runs between the
+    rounds, never inside a timed call (as in timeit): with torch imported one full collection
+    takes milliseconds and would land in whichever call happened to trigger it."""
     for fn in fns:
         fn()                                           # warm-up
     times = [[] for _ in fns]
-    for _ in range(repeat):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
+    enabled = gc.isenabled()
+    try:
+        for _ in range(repeat):
+            gc.collect()
+            gc.disable()
+            for fn, ts in zip(fns, times):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            gc.enable()
+    finally:
+        if enabled:
+            gc.enable()
+        else:
+            gc.disable()
     return [statistics.median(ts) for ts in times]
 
 
