@@ -461,6 +461,32 @@ def test_torch_training_hands_over_chunk_states(case):
         np.testing.assert_array_equal(grads[name], want[field], err_msg=name)
 
 
+@pytest.mark.parametrize("algorithm", ["chunk", "recurrent"])
+@pytest.mark.parametrize("loss_of", ["o", "S_T"])
+def test_torch_loss_of_one_output_gets_no_gradient_for_the_other(algorithm, loss_of):
+    """Autograd hands the backward no zero tensors for what has no gradient (the checkpoints
+    never have one; S_T or o when the loss ignores it): None stands for zeros, and the gradients
+    are the NumPy backward's with that argument zero."""
+    torch = pytest.importorskip("torch")
+    import gdn_ext.torch as gt
+    P = problem(np.random.default_rng(28), T=70)
+    if loss_of == "o":
+        P["dS_T"] = np.zeros_like(P["dS_T"])
+    else:
+        P["do"] = np.zeros_like(P["do"])
+    t = {n: torch.tensor(P[n], requires_grad=True) for n in ("q", "k", "v", "beta", "g",
+                                                              "initial_state")}
+    o, S_T = gt.gated_delta_rule(t["q"], t["k"], t["v"], beta=t["beta"], g=t["g"],
+                                 initial_state=t["initial_state"], algorithm=algorithm)
+    loss = ((o * torch.tensor(P["do"])).sum() if loss_of == "o"
+            else (S_T * torch.tensor(P["dS_T"])).sum())
+    loss.backward()
+    want = run(P, algorithm)
+    for name, field in [("q", "dq"), ("k", "dk"), ("v", "dv"), ("beta", "dbeta"), ("g", "dgate"),
+                        ("initial_state", "d_initial_state")]:
+        np.testing.assert_array_equal(t[name].grad.numpy(), want[field], err_msg=name)
+
+
 def test_per_key_gate_given_as_a_broadcast_view_keeps_per_key_gradients():
     """A per-key gate [B, T, HV, Dk] that is a stride-0 view of one number per token is still a
     per-key argument: its gradient comes back per key, as the recurrence computes it."""

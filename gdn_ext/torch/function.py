@@ -151,6 +151,10 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, beta, gate, initial_state, scale, gate_is_log, normalize_qk, cu_seqlens,
      keep_checkpoints, num_threads, delta_rule, algorithm, chunk_size) = inputs
     ckpt = output[2] if keep_checkpoints else None
+    # the checkpoints are no result, and an unused S_T has no gradient: None, not a zero tensor
+    # of their size (tens of MB for the chunk form's states) made on every step
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, beta, gate, initial_state, cu_seqlens, ckpt)
     ctx.opts = (scale, gate_is_log, normalize_qk, num_threads, delta_rule, algorithm, chunk_size)
 
