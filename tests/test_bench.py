@@ -1,6 +1,8 @@
 """The benchmark runs end to end on tiny sizes (so it cannot rot); no timing is asserted."""
+import importlib.util
 import json
 
+import numpy as np
 import pytest
 
 from gdn_ext.apps import bench
@@ -48,3 +50,11 @@ def test_bench_targets_rows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "backward with checkpoints / forward" in out and "decode step in place" in out
     assert "decode step into out= / in place" in out
+    res = json.loads((tmp_path / "t.json").read_text())
+    if importlib.util.find_spec("torch") is not None:   # one layer's training speed, both dtypes
+        tp = res["training_throughput"]
+        assert {r["dtype"] for r in tp} == {"float32", "float64"}
+        assert all(r["tokens_per_s"] > 0 and np.isclose(r["tokens_per_s"] * r["seconds"], r["T"])
+                   and np.isclose(r["tokens_per_s_per_core"] * r["threads"], r["tokens_per_s"])
+                   for r in tp)
+        assert "tokens/s per core" in out

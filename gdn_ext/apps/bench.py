@@ -656,6 +656,44 @@ def chunk_targets(threads=None, repeat=5, T=2048, BH=4, D=128, many_BH=64, few=(
     return dict(threads=threads, T=T, BH=BH, D=D, rows=rows)
 
 
+def training_throughput(threads=None, heads=(16, 32), T=4096, D=128, repeat=3, log=print):
+    """Training speed of one layer: forward + backward through gdn_ext.torch (``"auto"``, scalar
+    gate, B = 1, Dk = Dv = D, T tokens, H heads, the shapes of Qwen3.5's linear-attention layers
+    for H = 16 and 32), float32 and float64, on ``threads`` threads (None: every core): tokens
+    per second, and per second per core (tokens / s / threads). Median of ``repeat`` steps; a
+    list of dicts."""
+    try:
+        import torch
+        import gdn_ext.torch as gt
+    except ImportError:
+        log("      (torch is not installed: the training figure is skipped)")
+        return []
+    threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    out = []
+    log(f"training one layer (forward + backward, gdn_ext.torch), B=1, T={T}, D={D}, "
+        f"{threads} threads, median of {repeat}")
+    for dt in (np.float32, np.float64):
+        for H in heads:
+            x = {n: torch.from_numpy(a).requires_grad_() for n, a in
+                 _inputs(1, T, H, D, dt).items()}
+            do = torch.ones_like(x["v"])
+
+            def step(x=x, do=do):
+                for a in x.values():
+                    a.grad = None
+                o, _ = gt.gated_delta_rule(x["q"], x["k"], x["v"], beta=x["beta"], g=x["g"],
+                                           num_threads=threads, check_values=False)
+                o.backward(do)
+            (t,) = _ab([step], repeat)
+            name = np.dtype(dt).name
+            out.append(dict(dtype=name, H=H, T=T, D=D, threads=threads, seconds=t,
+                            tokens_per_s=T / t, tokens_per_s_per_core=T / t / threads))
+            log(f"      H={H:<3} {name}: {t * 1e3:8.1f} ms a step, {T / t:9.0f} tokens/s, "
+                f"{T / t / threads:9.0f} tokens/s per core")
+    return out
+
+
 def _torch_targets(rows, log, threads, repeat, T, BH, D):
     """Target 2 (torch path against the NumPy calls it makes) and 3 (transformers' chunked
     fallback against gdn_ext), float32, Dk = Dv = D, scalar gate."""
@@ -822,7 +860,9 @@ def build_parser():
                          "('auto') as a fraction of the peak, one sequence on all threads / one, "
                          "and the float64 agreement of the two forms; each line ends with a "
                          "reference value and whether the "
-                         "measurement is within it (with --quick, tiny sizes)")
+                         "measurement is within it; last, one layer's training speed (tokens/s, "
+                         "and per core) at Qwen3.5's shapes, H = 16 and 32, D = 128, T = 4096, "
+                         "both dtypes (with --quick, tiny sizes)")
     ap.add_argument("--json", metavar="FILE", default=None,
                     help="write every number to FILE as JSON (default: no file)")
     ap.add_argument("--plot", metavar="FILE.png", default=None,
@@ -845,8 +885,10 @@ def main(argv=None):
                   repeat=1) if a.quick else dict(repeat=a.repeat)
         ckw = dict(T=64, BH=2, D=16, many_BH=4, few=(64, 64), repeat=1) if a.quick else dict(
             repeat=a.repeat)
+        tkw = dict(heads=(2,), T=64, D=16, repeat=1) if a.quick else dict(repeat=a.repeat)
         res = dict(training_targets=training_targets(a.threads, **kw),
-                   chunk_targets=chunk_targets(a.threads, **ckw))
+                   chunk_targets=chunk_targets(a.threads, **ckw),
+                   training_throughput=training_throughput(a.threads, **tkw))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)
