@@ -562,6 +562,23 @@ def _ab(fns, repeat):
     return [statistics.median(ts) for ts in times]
 
 
+def _torch_training_step(T, H, D, dtype, threads, algorithm="auto"):
+    """A function running one training step through gdn_ext.torch (forward, then backward from
+    do = 1) on inputs of B = 1, T tokens, H heads of D, made here once."""
+    import torch
+    import gdn_ext.torch as gt
+    x = {n: torch.from_numpy(a).requires_grad_() for n, a in _inputs(1, T, H, D, dtype).items()}
+    do = torch.ones_like(x["v"])
+
+    def step():
+        for a in x.values():
+            a.grad = None
+        o, _ = gt.gated_delta_rule(x["q"], x["k"], x["v"], beta=x["beta"], g=x["g"],
+                                   num_threads=threads, check_values=False, algorithm=algorithm)
+        o.backward(do)
+    return step
+
+
 def chunk_targets(threads=None, repeat=5, T=2048, BH=4, D=128, many_BH=64, few=(4096, 8192),
                   log=print):
     """The chunk form's targets, each a ratio measured in this run (alternated rounds): C1 a
@@ -586,17 +603,8 @@ def chunk_targets(threads=None, repeat=5, T=2048, BH=4, D=128, many_BH=64, few=(
     if torch is not None:
         torch.set_num_threads(1)
         for dt in (np.float32, np.float64):
-            x = {n: torch.from_numpy(a).requires_grad_() for n, a in
-                 _inputs(1, T, BH, D, dt).items()}
-            do = torch.ones_like(x["v"])
-
-            def step(algorithm, x=x, do=do):
-                for a in x.values():
-                    a.grad = None
-                o, _ = gt.gated_delta_rule(x["q"], x["k"], x["v"], beta=x["beta"], g=x["g"],
-                                           num_threads=1, check_values=False, algorithm=algorithm)
-                o.backward(do)
-            rec, chk = _ab([lambda: step("recurrent"), lambda: step("chunk")], repeat)
+            rec, chk = _ab([_torch_training_step(T, BH, D, dt, 1, "recurrent"),
+                            _torch_training_step(T, BH, D, dt, 1, "chunk")], repeat)
             log(f"      {np.dtype(dt).name}: step recurrent {rec * 1e3:.1f} ms, chunk "
                 f"{chk * 1e3:.1f} ms")
             _target_row(rows, log, "C1", f"training step recurrent / chunk, 1 thread, "
@@ -664,7 +672,6 @@ def training_throughput(threads=None, heads=(16, 32), T=4096, D=128, repeat=3, l
     list of dicts."""
     try:
         import torch
-        import gdn_ext.torch as gt
     except ImportError:
         log("      (torch is not installed: the training figure is skipped)")
         return []
@@ -675,17 +682,7 @@ def training_throughput(threads=None, heads=(16, 32), T=4096, D=128, repeat=3, l
         f"{threads} threads, median of {repeat}")
     for dt in (np.float32, np.float64):
         for H in heads:
-            x = {n: torch.from_numpy(a).requires_grad_() for n, a in
-                 _inputs(1, T, H, D, dt).items()}
-            do = torch.ones_like(x["v"])
-
-            def step(x=x, do=do):
-                for a in x.values():
-                    a.grad = None
-                o, _ = gt.gated_delta_rule(x["q"], x["k"], x["v"], beta=x["beta"], g=x["g"],
-                                           num_threads=threads, check_values=False)
-                o.backward(do)
-            (t,) = _ab([step], repeat)
+            (t,) = _ab([_torch_training_step(T, H, D, dt, threads)], repeat)
             name = np.dtype(dt).name
             out.append(dict(dtype=name, H=H, T=T, D=D, threads=threads, seconds=t,
                             tokens_per_s=T / t, tokens_per_s_per_core=T / t / threads))
