@@ -179,6 +179,75 @@ def test_one_sequence_split_between_threads_bitwise(auto):
         np.testing.assert_array_equal(got.S_T, ref.S_T, err_msg=f"{nt} threads")
 
 
+def _train_forward(P, **kw):
+    """o, S_T and the states gdn_ext.torch keeps for its backward (the chunk form's states)."""
+    from gdn_ext.recurrence import _train_forward
+    return _train_forward(P["q"], P["k"], P["v"], beta=P["beta"], g=P["g"],
+                          initial_state=P["initial_state"], **kw)
+
+
+@pytest.mark.parametrize("case", ["one pair", "three pairs", "packed", "normalize_qk", "linear",
+                                  "windows", "odd widths"])
+def test_forward_of_few_pairs_on_many_threads_bitwise(case):
+    """Fewer pairs than threads: the forward computes each window of chunks' products of q and k
+    in parallel, then walks the states by strips of value columns (the chunk states it keeps for
+    training too): bit for bit what one thread gives."""
+    rng = np.random.default_rng(40)
+    shape, kw = dict(B=1, T=300, H=1, Dk=24, Dv=80), dict(algorithm="chunk", chunk_size=16)
+    if case == "three pairs":
+        shape["H"] = 3
+    if case == "packed":   # lengths 1, 0, 32 (one whole chunk) and the rest
+        kw["cu_seqlens"] = [0, 1, 1, 33, 300]
+        P = problem(rng, **shape)
+        P["initial_state"] = rng.standard_normal((4, 1, 80, 24))
+    if case == "normalize_qk":
+        kw["normalize_qk"] = True
+    if case == "linear":
+        kw["delta_rule"] = False
+    if case == "windows":   # many windows of chunks, the last one short
+        kw["chunk_size"] = 3
+    if case == "odd widths":
+        shape.update(Dk=19, Dv=45)
+    if case != "packed":
+        P = problem(rng, **shape)
+    ref = _train_forward(P, num_threads=1, **kw)
+    for nt in (2, 3, 4, 8):   # 8: more threads than cores
+        got = _train_forward(P, num_threads=nt, **kw)
+        for name, a, b in zip(("o", "S_T", "states"), got, ref):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name}, {nt} threads")
+    if case == "one pair":
+        o, S_T = gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], beta=P["beta"], g=P["g"],
+                                          initial_state=P["initial_state"], algorithm="recurrent")
+        assert_rel_close(ref[0], o, 1e-12, "o")
+        assert_rel_close(ref[1], S_T, 1e-12, "S_T")
+
+
+def test_forward_team_barriers_hold():
+    """The phases meet at barriers: a race shows as a rare difference. 1000 runs of many windows
+    on 8 threads (on 2 cores, without the barrier between the phases 5 runs in 300 differed; without
+    the one after the states' pass, 747 in 1000)."""
+    P = problem(np.random.default_rng(40), B=1, T=300, H=1, Dk=24, Dv=80)
+    kw = dict(algorithm="chunk", chunk_size=3)
+    ref = _train_forward(P, num_threads=1, **kw)
+    differ = sum(not all(np.array_equal(a, b) for a, b in
+                         zip(_train_forward(P, num_threads=8, **kw), ref)) for _ in range(1000))
+    assert differ == 0, f"{differ} of 1000 runs differed"
+
+
+def test_strips_keep_the_states_of_the_whole_width():
+    """Few pairs, auto giving one of them the recurrence: the other splits its value columns
+    between threads and keeps its chunk states every R chunks, R counted for all of its columns
+    (counted for a strip's, it wrote past the states' array and returned wrong outputs)."""
+    rng = np.random.default_rng(41)
+    P = problem(rng, B=1, T=2000, H=2, Dk=16, Dv=80, g=(-0.05, 0.0))
+    P["beta"][0, 5, 0] = 100.0   # beta ||k||^2 > 2: the recurrence for this pair
+    kw = dict(algorithm="auto", chunk_size=1)
+    ref = _train_forward(P, num_threads=1, **kw)
+    got = _train_forward(P, num_threads=4, **kw)
+    for name, a, b in zip(("o", "S_T", "states"), got, ref):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 @pytest.mark.parametrize("case", ["one pair", "auto fallback", "two pairs", "packed", "linear",
                                   "long"])
 def test_backward_of_few_pairs_on_many_threads_bitwise(case):
