@@ -195,14 +195,6 @@ void gdn_note_team(int nt, double late, double total);
 int gdn_capped_threads(int nt, int num_threads);
 int gdn_default_thread_cap(void);   /* the current cap, 0 for none */
 int gdn_num_procs(void);
-/* A barrier for the nt threads of one team that spins (yielding the core after a while) instead
- * of sleeping: the kernels run with OpenMP's passive wait policy, whose barriers wake threads
- * through the kernel (tens of microseconds each on a VM), too slow for a barrier per few chunks.
- * Zero-initialise one per team; every thread of the team must pass each barrier. */
-typedef struct {
-    int count, gen;
-} gdn_spin_barrier;
-void gdn_spin_wait(gdn_spin_barrier *b, int nt);
 int gdn_openmp_enabled(void);
 
 /*
@@ -297,10 +289,8 @@ ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv, int gi
  * recurrence leave their slots alone and make their own checkpoints in the backward. */
 ptrdiff_t gdn_chunk_checkpoint_count(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv);
 /* The chunk forward's work items: pairs times strips of value columns, at least
- * GDN_CHUNK_MIN_STRIP columns each. With fewer pairs than threads the products of q and k are
- * made once per chunk, in parallel over chunks, and shared by the strips (each window of chunks
- * in two phases between barriers: gdn_chunk.inc); where that needs memory it cannot get, or auto
- * gives some pair the recurrence, every strip recomputes them. */
+ * GDN_CHUNK_MIN_STRIP columns each (every strip recomputes the chunk's Q K^T, K K^T and UT
+ * transform: narrower ones would spend more on that than they gain) */
 #define GDN_CHUNK_MIN_STRIP 32
 ptrdiff_t gdn_chunk_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv);
 /* the chunk buffers of one thread, whole cache lines (bwd: the backward's, for max_len tokens;

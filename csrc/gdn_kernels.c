@@ -55,26 +55,6 @@ void gdn_flush_end(gdn_fpmode previous)
     if (want != m) gdn_fpmode_set(want);
 }
 
-#include <sched.h>
-void gdn_spin_wait(gdn_spin_barrier *b, int nt)
-{
-    const int gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
-    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == nt) {
-        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&b->gen, gen + 1, __ATOMIC_RELEASE);
-        return;
-    }
-    /* a few microseconds of spinning, then give the core away (more threads than cores) */
-    for (long spins = 0; __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) == gen; spins++) {
-        if (spins < 4000) {
-#if defined(__x86_64__) || defined(_M_X64)
-            _mm_pause();
-#endif
-        } else
-            sched_yield();
-    }
-}
-
 #include <time.h>
 double gdn_now(void)
 {
