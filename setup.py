@@ -100,7 +100,8 @@ if __name__ == "__main__":   # setuptools runs this file as __main__; tests impo
                 sources=["csrc/_core.c", "csrc/gdn_kernels.c", "csrc/gdn_kernels_avx2.c",
                          "csrc/gdn_kernels_avx512.c"],
                 depends=["csrc/gdn.h", "csrc/gdn_recurrent.inc", "csrc/gdn_chunk.inc",
-                         "csrc/gdn_instances.inc", "gdn_ext/_constants.py"],
+                         "csrc/gdn_chunk_team.inc", "csrc/gdn_instances.inc",
+                         "gdn_ext/_constants.py"],
                 include_dirs=[np.get_include(), "csrc"],
                 define_macros=[("GDN_" + name, repr(value))
                                for name, value in shared_constants().items()],

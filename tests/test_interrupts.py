@@ -197,7 +197,9 @@ if case == "rows":     # B = 4, H = 4: NumPy calls the inner loop once per batch
     B, T, H, D = 4, 100_000, 4, 128
 elif case == "small":  # many rows, each a small call
     B, T, H, D = 1000, 1000, 2, 64
-if case in ("rows", "small", "backward"):
+elif case == "one sequence":   # one pair on every thread (the chunk form's team)
+    B, T, H, D = 1, 200_000, 1, 512
+if case in ("rows", "small", "backward", "one sequence"):
     if case == "backward":
         B, T, H, D = 8, 20_000, 4, 128
     r = np.random.default_rng(0)
@@ -226,11 +228,11 @@ th.join()
 
 
 @posix
-@pytest.mark.parametrize("case", ["rows", "small", "backward", "cast"])
+@pytest.mark.parametrize("case", ["rows", "small", "backward", "one sequence", "cast"])
 def test_ctrl_c_stops_every_shape_and_phase_promptly(case):
     """SIGINT 0.3 s into calls of several seconds: B = H = 4 (one inner-loop call per row),
-    1000 rows of small calls, a backward over 8 rows, and a call whose inputs are converted to
-    float64 first. KeyboardInterrupt within 1 s (a fraction of a second on an idle machine;
+    1000 rows of small calls, a backward over 8 rows, one long sequence that every thread works
+    on, and a call whose inputs are converted to float64 first. KeyboardInterrupt within 1 s (a fraction of a second on an idle machine;
     the bound allows for a loaded one). Before the fix: 3.4 s, the whole call, 1 s, 7-46 s."""
     what, seconds = _run(LATENCY.replace("sys.argv[1]", repr(case))).split()
     assert what == "interrupted", f"the call finished after {seconds} s"
