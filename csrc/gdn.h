@@ -289,10 +289,11 @@ ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv, int gi
  * recurrence leave their slots alone and make their own checkpoints in the backward. */
 ptrdiff_t gdn_chunk_checkpoint_count(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv);
 /* The chunk forward's work items: pairs times strips of value columns, at least
- * GDN_CHUNK_MIN_STRIP columns each (narrower ones make the products' tiles too narrow; and
- * without the team of gdn_chunk_team.inc every strip recomputes the chunk's Q K^T, K K^T and
- * UT transform). With fewer pairs than threads the team prepares those once per chunk, on any
- * thread, and the strips share them. */
+ * GDN_CHUNK_MIN_STRIP columns each (every strip recomputes the chunk's Q K^T, K K^T and UT
+ * transform: narrower ones would spend more on that than they gain). Preparing those once per
+ * chunk on any thread, for the strips to share, ran 0.93 x the time on the 2-core Zen 4 but
+ * 1.15-1.3 x on the 16-core Xeon (2 to 16 threads): each chunk's prepared matrices then
+ * cross cores, and the strips of a pair wait for one another. */
 #define GDN_CHUNK_MIN_STRIP 32
 ptrdiff_t gdn_chunk_fwd_items(ptrdiff_t npairs, ptrdiff_t Dv);
 /* the chunk buffers of one thread, whole cache lines (bwd: the backward's, for max_len tokens;
