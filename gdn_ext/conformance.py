@@ -213,8 +213,12 @@ def _to_torch(x, dtype, device, torch):
     return t
 
 
-def _run_case(case, fn, convention, dtype, device, torch, rng):
-    """{quantity: (max abs error, max relative error)} and notes for one case."""
+_NO_GRADS_HINT = "pass forward_only=True (--forward-only) to check a forward-only kernel"
+
+
+def _run_case(case, fn, convention, dtype, device, torch, rng, forward_only=False):
+    """{quantity: (max abs error, max relative error)} and notes for one case. Without
+    forward_only, a target that gives no gradients fails (the "backward" quantity)."""
     x = case.make(rng)
     dt = case.dtype or dtype
     K = x["q"].shape[-1]
@@ -241,16 +245,19 @@ def _run_case(case, fn, convention, dtype, device, torch, rng):
     ref = _reference(xr, t, do, dS, scale)
     got = {"o": o, "final_state": S}
     notes = []
-    if o.requires_grad:
+    if forward_only:
+        notes.append("forward only: gradients not checked")
+    elif o.requires_grad or S.requires_grad:
         loss = (o.double() * torch.tensor(do, device=o.device)).sum() + \
             (S.double() * torch.tensor(dS, device=S.device)).sum()
         leaves = [n for n in ("q", "k", "v", "beta", "g", "gk", "initial_state")
                   if isinstance(t.get(n), torch.Tensor)]
         try:
             grads = torch.autograd.grad(loss, [t[n] for n in leaves], allow_unused=True)
-        except NotImplementedError as exc:     # a forward-only kernel: compare the forward
+        except NotImplementedError as exc:     # a forward-only kernel, not declared as one
             grads = None
-            notes.append(f"no backward ({str(exc)[:40]}...)")
+            got["backward"] = None
+            notes.append(f"no backward ({str(exc)[:40]}...); {_NO_GRADS_HINT}")
         except Exception as exc:               # the forward is still compared and reported
             grads = None
             got["backward"] = None
@@ -267,8 +274,9 @@ def _run_case(case, fn, convention, dtype, device, torch, rng):
             notes.append("gradients repeat bitwise" if same else "gradients differ between runs")
             if not same:
                 got["repeat"] = None
-    else:
-        notes.append("no gradients: the target's outputs do not require grad")
+    else:   # detached outputs: a backward that never reaches the inputs must not pass
+        got["backward"] = None
+        notes.append(f"no gradients: the target's outputs do not require grad; {_NO_GRADS_HINT}")
     errors = {}
     for n, a in got.items():
         if n in ("repeat", "backward"):
@@ -290,19 +298,26 @@ def _run_case(case, fn, convention, dtype, device, torch, rng):
 @dataclasses.dataclass
 class Report:
     """The results: one row per case: status "pass" (output, final state and gradients within
-    tolerance), "fwd" (output and final state within tolerance; the target gave no gradients),
-    "FAIL", "error" (the target raised) or "skip" (a feature the target lacks)."""
+    tolerance), "fwd" (output and final state within tolerance, gradients not checked: only in a
+    run with forward_only=True), "FAIL" (an error above tolerance, or no gradients from a target
+    not declared forward-only), "error" (the target raised) or "skip" (a feature the target
+    lacks). forward_only: the run checked the forward only."""
     target: str
     convention: str
     dtype: str
     rows: List[Dict]
+    forward_only: bool = False
 
     @property
     def passed(self) -> bool:
-        return all(r["status"] in ("pass", "fwd", "skip") for r in self.rows)
+        """Every case passed or was skipped, and at least one was checked (a report of skips
+        alone certifies nothing)."""
+        return (all(r["status"] in ("pass", "fwd", "skip") for r in self.rows)
+                and any(r["status"] in ("pass", "fwd") for r in self.rows))
 
     def header(self) -> str:
-        return (f"conformance of {self.target} ({self.convention} convention, {self.dtype}) "
+        return (f"conformance of {self.target} ({self.convention} convention, {self.dtype}"
+                f"{', forward only: gradients not checked' if self.forward_only else ''}) "
                 f"against gdn_ext in float64\n"
                 f"{'case':<18}{'status':<7}{'tol':>8}  {'worst quantity':<16}{'abs err':>10}"
                 f"{'rel err':>10}  notes")
@@ -322,16 +337,23 @@ class Report:
         n_skip = sum(r["status"] == "skip" for r in self.rows)
         n_fwd = sum(r["status"] == "fwd" for r in self.rows)
         lines.append(f"{len(self.rows) - n_fail - n_skip} passed"
-                     + (f" ({n_fwd} on the forward only: no gradients)" if n_fwd else "")
+                     + (f" ({n_fwd} on the forward only: gradients not checked)" if n_fwd else "")
                      + f", {n_fail} failed, {n_skip} skipped")
         return "\n".join(lines)
 
 
 def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progress=False,
-        name=None, on_row=None) -> Report:
+        name=None, on_row=None, forward_only=False) -> Report:
     """Run the suite on ``fn``; returns a :class:`Report` (``report.passed``,
     ``report.table()``, ``report.rows``); ``on_row(row)`` is called as each case ends. Needs
-    torch. Raises ValueError for an unknown convention or dtype."""
+    torch.
+
+    Every case compares the gradients of all inputs too: a target whose outputs carry no
+    gradients (detached, or a backward that raises NotImplementedError) fails, unless
+    ``forward_only=True`` says it is a forward-only kernel, in which case only the output and the
+    final state are compared (status "fwd"), the report says so, and the cases that only test
+    gradients are skipped. Raises ValueError for an unknown convention or dtype, TypeError for a
+    target that is not callable."""
     import torch
     if convention not in ("fla", "transformers", "gdn_ext"):
         raise ValueError(f"convention must be fla, transformers or gdn_ext; got {convention!r}")
@@ -376,19 +398,21 @@ def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progres
             row.update(status="skip", note=f"target lacks {', '.join(sorted(missing))}")
             emit(row)
             continue
+        if case.repeat and forward_only:
+            row.update(status="skip", note="forward only: this case compares gradients")
+            emit(row)
+            continue
         try:
             errors, notes, dt = _run_case(case, fn, convention, dtype, device, torch,
-                                          np.random.default_rng(100 + i))
+                                          np.random.default_rng(100 + i), forward_only)
         except Exception as exc:   # a crash of the target is a finding, reported per case
             row.update(status="error", note=f"{type(exc).__name__}: {exc}"[:120])
             emit(row)
             continue
         tol = TOLERANCES[dt]
         ok = all(rel <= tol for _, rel in errors.values())
-        grads_checked = any(n not in ("o", "final_state") for n in errors)
-        status = "FAIL" if not ok else "pass" if grads_checked else "fwd"
-        if case.repeat and not grads_checked and ok:
-            status = "skip"                  # nothing to repeat without gradients
+        status = "FAIL" if not ok else "fwd" if forward_only else "pass"
         row.update(status=status, tol=tol, errors=errors, note="; ".join(notes))
         emit(row)
-    return Report(name or getattr(fn, "__qualname__", repr(fn)), convention, dtype, rows)
+    return Report(name or getattr(fn, "__qualname__", repr(fn)), convention, dtype, rows,
+                  forward_only)

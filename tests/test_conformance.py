@@ -131,17 +131,79 @@ def test_command_line(tmp_path, capsys):
         main(["conformance", "no_such_module_xyz:fn"])
 
 
-def test_targets_without_gradients_or_malformed():
-    """A target whose outputs carry no gradients is reported forward-only ("fwd"), never as a
-    full pass; a non-callable is refused; a target that returns the wrong thing errors with a
-    message that says what came back; JSON output is strict."""
-    def detached(q, k, v, g=None, beta=None, **kw):
-        o, S = gt.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-        return o.detach(), S.detach()
+def _detached(q, k, v, g=None, beta=None, **kw):
+    o, S = gt.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    return o.detach(), S.detach()
 
-    report = conformance.run(detached, "fla", "float32", cases=["T=1", "repeatable"])
+
+def _o_detached(q, k, v, g=None, beta=None, **kw):
+    o, S = gt.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    return o.detach(), S
+
+
+def _state_detached(q, k, v, g=None, beta=None, **kw):
+    o, S = gt.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    return o, S.detach()
+
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, o):
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, do):
+        raise NotImplementedError("this kernel has no backward")
+
+
+def _no_backward(q, k, v, g=None, beta=None, **kw):
+    o, S = gt.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    return _NoBackward.apply(o), _NoBackward.apply(S)
+
+
+@pytest.mark.parametrize("target", [_detached, _o_detached, _state_detached, _no_backward])
+def test_a_target_with_missing_gradients_fails(target):
+    """A correct forward whose gradients are missing -- detached outputs, one of the two
+    detached, a backward that raises NotImplementedError -- fails every case that has gradients
+    to compare: a disconnected backward must never pass as "forward only"."""
+    report = conformance.run(target, "fla", "float32", cases=["T=1", "T=65", "repeatable"])
+    assert not report.passed, report.table()
+    assert all(r["status"] in ("FAIL", "error") for r in report.rows), report.table()
+
+
+def test_forward_only_is_asked_for_and_said():
+    """forward_only=True checks the output and the final state only: a forward-only kernel
+    passes, with "fwd" rows and the header saying so; the gradient-only case is skipped; a wrong
+    forward still fails."""
+    report = conformance.run(_no_backward, "fla", "float32", cases=["T=1", "repeatable"],
+                             forward_only=True)
+    assert report.passed, report.table()
     assert [r["status"] for r in report.rows] == ["fwd", "skip"]
-    assert "forward only" in report.table()
+    assert "forward only: gradients not checked" in report.table().splitlines()[0]
+    assert "1 on the forward only" in report.table()
+    wrong = conformance.run(_with_bug("initial state ignored"), "fla", "float64", cases=FAST,
+                            forward_only=True)
+    assert not wrong.passed, wrong.table()
+
+
+def test_a_report_of_skips_alone_does_not_pass():
+    """Nothing checked is nothing certified: a target that lacks every feature the asked cases
+    need skips them all and its report does not pass."""
+    def no_packing(q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                   output_final_state=True):
+        return gt.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale,
+                                         initial_state=initial_state,
+                                         output_final_state=output_final_state)
+
+    report = conformance.run(no_packing, "fla", "float32", cases=["packed"])
+    assert [r["status"] for r in report.rows] == ["skip"]
+    assert not report.passed, report.table()
+
+
+def test_targets_without_gradients_or_malformed():
+    """A non-callable is refused; a target that returns the wrong thing errors with a message
+    that says what came back; JSON output is strict."""
+    detached = _detached
     with pytest.raises(TypeError, match="callable"):
         conformance.run(3, "fla")
     with pytest.raises(ValueError, match="unknown case"):
@@ -153,6 +215,15 @@ def test_targets_without_gradients_or_malformed():
     report = conformance.run(only_o, "fla", "float32", cases=["T=1"])
     assert report.rows[0]["status"] == "error" and "must return (o, final_state)" in \
         report.rows[0]["note"]
+
+
+def test_command_line_forward_only(capsys):
+    """--forward-only on the command line: a forward-only kernel passes only with it."""
+    from gdn_ext.__main__ import main
+    assert main(["conformance", "test_conformance:_no_backward", "--no-progress"]) == 1
+    assert main(["conformance", "test_conformance:_no_backward", "--no-progress",
+                 "--forward-only"]) == 0
+    assert "forward only: gradients not checked" in capsys.readouterr().out
 
 
 def test_json_is_strict(tmp_path):

@@ -48,6 +48,9 @@ def build_parser():
     ap.add_argument("--dtype", choices=sorted(TOLERANCES), default="float32",
                     help="the dtype of the target's inputs (it sets the tolerances)")
     ap.add_argument("--device", default="cpu", help="the target's torch device, e.g. cuda")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="the target has no backward: compare its output and final state only "
+                         "(without this flag a target whose outputs carry no gradients fails)")
     ap.add_argument("--json", metavar="FILE", default=None,
                     help="also write the results to FILE as JSON (default: no file)")
     ap.add_argument("--no-progress", action="store_true",
@@ -79,14 +82,16 @@ def main(argv=None):
             ap.error(f"--device {a.device}: this torch has no CUDA device")
     except (RuntimeError, ValueError) as exc:
         ap.error(f"--device {a.device}: {exc}")
-    shell = Report(a.target, a.convention, a.dtype, [])
+    shell = Report(a.target, a.convention, a.dtype, [], a.forward_only)
     if a.no_progress:          # rows as they come (a slow target still shows what it did)
         print(shell.header(), flush=True)
         report = run(fn, a.convention, a.dtype, a.device, name=a.target,
-                     on_row=lambda r: print(Report.line(r), flush=True))
+                     on_row=lambda r: print(Report.line(r), flush=True),
+                     forward_only=a.forward_only)
         print(report.table().splitlines()[-1])
     else:
-        report = run(fn, a.convention, a.dtype, a.device, progress=True, name=a.target)
+        report = run(fn, a.convention, a.dtype, a.device, progress=True, name=a.target,
+                     forward_only=a.forward_only)
         print(report.table())
     if json_file is not None:
         with json_file:
