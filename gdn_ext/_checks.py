@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 
-from ._threads import pieces, run_pieces
+from ._threads import PIECE, fp_recorded, pieces, report_fp, run_pieces
 
 __all__ = []
 
@@ -122,9 +122,15 @@ def converted(a, dtype, fn=None, num_threads=1):
     dtype = np.dtype(dtype)
     if fn is None and a.dtype == dtype:
         return a
-    parts = pieces(a.shape)
-    if len(parts) == 1:
-        return (a if fn is None else fn(a.astype(dtype, copy=False))).astype(dtype, copy=False)
+    what = "cast" if fn is None else fn.__name__
+    # floating-point errors as the caller's np.errstate says, at the caller's line
+    if a.size <= PIECE:   # one piece, here
+        seen = {}
+        with fp_recorded(seen):
+            r = (a if fn is None else fn(a.astype(dtype, copy=False))).astype(dtype, copy=False)
+        if seen:
+            report_fp(seen, what)
+        return r
     out = np.empty(a.shape, dtype)
 
     def one(sl):   # into out, with no temporary
@@ -132,7 +138,7 @@ def converted(a, dtype, fn=None, num_threads=1):
             out[sl] = a[sl]
         else:
             fn(a[sl].astype(dtype, copy=False), out=out[sl])
-    run_pieces(one, parts, num_threads)
+    run_pieces(one, pieces(a.shape), num_threads, what)
     return out
 
 

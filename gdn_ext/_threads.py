@@ -115,42 +115,86 @@ class threads:
 
 
 # Elements per piece of `converted` and `pieces`: well under a millisecond of work.
-_PIECE = 1 << 18
+PIECE = 1 << 18
 
 
 def pieces(shape):
-    """Index tuples that cut an array of ``shape`` (C order) into pieces of about ``_PIECE``
+    """Index tuples that cut an array of ``shape`` (C order) into pieces of about ``PIECE``
     elements along its leading axes; each piece of a C-contiguous array is contiguous."""
-    if int(np.prod(shape, dtype=np.int64)) <= _PIECE:
+    if int(np.prod(shape, dtype=np.int64)) <= PIECE:
         return [()]
     # the first axis whose trailing block fits in a piece; steps of several of its entries
     axis, block = len(shape) - 1, 1
-    while axis > 0 and block * shape[axis] <= _PIECE:
+    while axis > 0 and block * shape[axis] <= PIECE:
         block *= shape[axis]
         axis -= 1
-    step = max(1, _PIECE // max(1, int(np.prod(shape[axis + 1:], dtype=np.int64))))
+    step = max(1, PIECE // max(1, int(np.prod(shape[axis + 1:], dtype=np.int64))))
     return [lead + (slice(s, s + step),)
             for lead in np.ndindex(*shape[:axis]) for s in range(0, shape[axis], step)]
 
 
-def run_pieces(work, items, num_threads=1):
+# NumPy's names of its floating-point errors (what an errcall receives), the np.geterr() key of
+# each and its flag, in the order NumPy reports them
+_FP_ERRORS = (("divide by zero", "divide", 1), ("overflow", "over", 2),
+              ("underflow", "under", 4), ("invalid value", "invalid", 8))
+
+
+def fp_recorded(seen):
+    """An np.errstate in which NumPy's floating-point errors are only recorded, as keys of the
+    dict ``seen``, for `report_fp` to report later on the calling thread."""
+    return np.errstate(all="call", call=seen.__setitem__)
+
+
+def report_fp(seen, what):
+    """The floating-point errors ``seen`` (`fp_recorded`) reported as NumPy would have on the
+    calling thread under its np.errstate, in operation ``what`` (warnings at the user's line)."""
+    from ._checks import warn
+    policy = np.geterr()
+    for err, key, flag in _FP_ERRORS:
+        mode = policy[key] if err in seen else "ignore"
+        message = f"{err} encountered in {what}"
+        if mode == "warn":
+            warn(message, RuntimeWarning)
+        elif mode == "raise":
+            raise FloatingPointError(message)
+        elif mode == "call":
+            np.geterrcall()(err, flag)
+        elif mode == "print":
+            print(f"Warning: {message}")
+        elif mode == "log":
+            np.geterrcall().write(f"Warning: {message}\n")
+
+
+def run_pieces(work, items, num_threads=1, what="cast"):
     """``work(item)`` for every item: in order on the calling thread, or on up to
     ``num_threads`` threads (0: OpenMP's default count) when there are several items (NumPy's
     loops release the GIL, so pieces of an elementwise operation run in parallel). The work must
     write disjoint outputs:
     each element is then computed by the same code whatever the thread count. The threads live
     for this call only (nothing is left behind for a fork). Ctrl-C: items not yet started are
-    dropped and the KeyboardInterrupt propagates once the running ones end."""
+    dropped and the KeyboardInterrupt propagates once the running ones end.
+
+    Floating-point errors (``what``: the operation they are reported in) follow the caller's
+    np.errstate, which helper threads do not inherit (NumPy keeps it in a context variable):
+    each piece only records them, and once all are done they are reported on the calling
+    thread -- warned at the user's line, raised, called or ignored -- whatever the thread count."""
+    seen = {}
+
+    def guarded(item):
+        with fp_recorded(seen):
+            work(item)
     if num_threads == 0 and len(items) > 1:   # OpenMP's default, asked only when it matters
         num_threads = default_threads(len(items))
     n = min(num_threads, len(items))
     if n <= 1:
         for item in items:
-            work(item)
+            guarded(item)
+        if seen:
+            report_fp(seen, what)
         return
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(n, thread_name_prefix="gdn_ext-piece") as pool:
-        futures = [pool.submit(work, item) for item in items]
+        futures = [pool.submit(guarded, item) for item in items]
         try:
             for f in futures:
                 f.result()
@@ -158,5 +202,7 @@ def run_pieces(work, items, num_threads=1):
             for f in futures:
                 f.cancel()
             raise
+    if seen:
+        report_fp(seen, what)
 
 

@@ -485,7 +485,7 @@ def _user_grads(p, dq, dk, dv, dalpha, dbeta, dS0):
         a = a.reshape(dalpha.shape)
         dg = np.empty(dalpha.shape, p.dtype)
         run_pieces(lambda sl: np.multiply(a[sl], dalpha[sl], out=dg[sl]), pieces(dg.shape),
-                   p.num_threads)
+                   p.num_threads, "multiply")
         return GatedDeltaRuleGradsG(dq, dk, dv, sum_to(dbeta, p.beta_given),
                                     sum_to(dg.reshape(p.gate_shape), p.gate_given), dS0)
     return GatedDeltaRuleGrads(dq, dk, dv, sum_to(dbeta, p.beta_given),

@@ -33,13 +33,13 @@ def test_results_identical_with_1_and_2_threads(dtype):
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_large_inputs_converted_in_pieces_on_threads(threads):
     """A per-key log gate and float32 inputs of a float64 call, each several pieces long
-    (_threads._PIECE elements): exp(g) and the casts run piece by piece on `threads` threads and
+    (_threads.PIECE elements): exp(g) and the casts run piece by piece on `threads` threads and
     give the bits NumPy gives on the whole array, so the results are those of one thread; run
     5 times per thread count, with a gradient dg = alpha * dalpha cut into pieces as well."""
     from gdn_ext import _threads
     rng = np.random.default_rng(41)
     B, T, H, D = 1, 600, 2, 512   # 600 * 2 * 512 = 2.3 pieces
-    assert B * T * H * D > 2 * _threads._PIECE
+    assert B * T * H * D > 2 * _threads.PIECE
     q, k, v = (rng.standard_normal((B, T, H, D)).astype(np.float32) for _ in range(3))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     g = np.log(rng.uniform(0.9, 1.0, (B, T, H, D)))

@@ -207,6 +207,43 @@ def test_overflow_in_any_pair_reaches_errstate(threads, where, backward):
         call()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("what", ["exp", "cast"])
+@pytest.mark.parametrize("mode", ["raise", "ignore", "warn", "call"])
+@pytest.mark.parametrize("T", [50, 140_000])
+def test_errstate_governs_the_conversions_on_every_thread(threads, what, mode, T):
+    """An overflow while the inputs are converted -- exp of a float32 gate g = 100, a Python
+    beta too large for float32 -- follows the caller's np.errstate however many threads convert
+    (inputs over 2^18 elements, here a gate of 280 000 entries, are converted in pieces on
+    helper threads, which do not inherit it: errstate(over="raise") raised nothing, "ignore"
+    still warned) and warns at the caller's line, not inside gdn_ext (small inputs too)."""
+    rng = np.random.default_rng(7)
+    B, H, D = 1, 2, 2
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    kw = dict(beta=np.full((B, T, H), 0.5, np.float32), g=np.full((B, T, H), -0.1, np.float32),
+              num_threads=threads, check_values=False)
+    if what == "exp":
+        kw["g"][0, 5, 0] = 100.0
+    else:
+        kw["beta"] = 1e300
+    calls = []
+    with warnings.catch_warnings(record=True) as w, \
+            np.errstate(over=mode, invalid="ignore", call=lambda err, flag: calls.append(err)):
+        warnings.simplefilter("always")
+        if mode == "raise":
+            with pytest.raises(FloatingPointError, match=f"overflow encountered in {what}"):
+                gdn_ext.gated_delta_rule(q, q, q, **kw)
+        else:
+            gdn_ext.gated_delta_rule(q, q, q, **kw)
+    overflow = [x for x in w if str(x.message).startswith("overflow encountered")]
+    if mode == "warn":
+        assert [str(x.message) for x in overflow] == [f"overflow encountered in {what}"]
+        assert overflow[0].filename == __file__, overflow[0].filename
+    else:
+        assert overflow == [], [(str(x.message), x.filename) for x in overflow]
+    assert calls == (["overflow"] if mode == "call" else [])
+
+
 # ---- Ctrl-C ---------------------------------------------------------------------------------------
 
 INTERRUPT = r"""
