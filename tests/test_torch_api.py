@@ -353,6 +353,34 @@ def test_forward_returns_a_named_tuple():
         assert type(dropin(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"])) is tuple
 
 
+@pytest.mark.parametrize("gate_shape", ["[HV]", "[1, 1, HV]", "[T, HV]"])
+@pytest.mark.parametrize("gate", ["g", "alpha"])
+def test_torch_compile_dynamic_gate_per_head_with_HV_equal_Dk(gate_shape, gate):
+    """A per-head gate given with fewer axes whose last one has Dk entries (HV == Dk) warns
+    eagerly that it might have meant one decay per key channel; under torch.compile(
+    fullgraph=True, dynamic=True) that warning's text (built from sizes that are symbolic there)
+    broke the graph. It compiles in one graph and gives the eager result."""
+    B, T, H, D = 2, 7, 4, 4
+    rng = torch.Generator().manual_seed(23)
+    q, v = torch.randn(B, T, H, D, generator=rng), torch.randn(B, T, H, D, generator=rng)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=rng), dim=-1)
+    shape = {"[HV]": (H,), "[1, 1, HV]": (1, 1, H), "[T, HV]": (T, H)}[gate_shape]
+    a = torch.rand(shape, generator=rng) * 0.5 + 0.4
+    a = a.log() if gate == "g" else a
+    beta = torch.rand(B, T, H, generator=rng)
+
+    def f(q, k, v, beta, a):
+        return gt.gated_delta_rule(q, k, v, beta=beta, **{gate: a})
+
+    with pytest.warns(UserWarning, match="broadcast to one gate per head"):
+        o, S = f(q, k, v, beta, a)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    o_c, S_c = compiled(q, k, v, beta, a)
+    torch.testing.assert_close(o_c, o, rtol=0, atol=0)
+    torch.testing.assert_close(S_c, S, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_torch_compile_fullgraph_plain_call(dtype):
     """A plain call (a Python-number beta, bfloat16 too) compiles in one graph and gives the

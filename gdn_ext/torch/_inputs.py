@@ -87,7 +87,9 @@ def per_head(x, name: str, dtype: torch.dtype, device, B, T, HV, Dk=None, single
     except RuntimeError:
         pass
     else:
-        if Dk is not None and not per_key and notes is not None and tuple(x.shape) != shape:
+        # (not while torch.compile traces: sizes may be symbolic, and the checks are skipped)
+        if Dk is not None and not per_key and notes is not None and tuple(x.shape) != shape \
+                and not torch.compiler.is_compiling():
             note = gate_axis_note(name, tuple(x.shape), shape, Dk)
             if note:
                 notes.append(note)
