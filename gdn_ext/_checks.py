@@ -201,12 +201,35 @@ def warn(message, category=UserWarning, at=None):
 OFF = " (check_values=False turns this warning off)"
 
 
+# The value checks read every element of k, beta and the gate: by pieces (PIECE elements, well
+# under a millisecond each), between which Python handles signals, so that Ctrl-C stops them.
+
 def _range(x):
     """(min, max) ignoring NaN (NaN where all are); None for an empty array."""
     x = np.asarray(x)
     if x.size == 0:
         return None
-    return np.fmin.reduce(x, axis=None), np.fmax.reduce(x, axis=None)
+    if x.size <= PIECE:
+        return np.fmin.reduce(x, axis=None), np.fmax.reduce(x, axis=None)
+    lo, hi = zip(*((np.fmin.reduce(x[sl], axis=None), np.fmax.reduce(x[sl], axis=None))
+                   for sl in pieces(x.shape)))
+    return np.fmin.reduce(lo), np.fmax.reduce(hi)
+
+
+def _max(x):
+    """The largest value ignoring NaN (NaN where all are), by pieces; x not empty."""
+    if x.size <= PIECE:
+        return np.fmax.reduce(x, axis=None)
+    return np.fmax.reduce([np.fmax.reduce(x[sl], axis=None) for sl in pieces(x.shape)])
+
+
+def _token_parts(B, T, H, per):
+    """Index tuples of pieces of [B, T, H] (each keeping its 3 axes) of about PIECE elements of
+    an array with ``per`` more elements per entry; [()] when all of it is one piece."""
+    if B * T * H * per <= PIECE:
+        return [()]
+    return [tuple(i if isinstance(i, slice) else slice(i, i + 1) for i in sl)
+            for sl in pieces((B, T, H), max(1, PIECE // per))]
 
 
 def head_first_message(shape, name="q", dims=("B", "T", "H", "Dk")):
@@ -273,27 +296,37 @@ def _key_norm_message(beta, gate, k, log_gate, where):
     B, T, H, Dk = k.shape
     if beta.size == 0 or beta.size % (B * T * H) or beta.shape[:2] != (B, T):
         return None
-    if k.dtype not in _FLOATS:                                # float16 squares overflow early
-        k = k.astype(np.float64)
-    kk = np.einsum("bthd,bthd->bth", k, k)                    # ||k||^2 per token and head
-    kk_max = np.fmax.reduce(kk, axis=None)
-    if not np.fmax.reduce(beta, axis=None) * kk_max > 2:      # the usual case: done
-        return None
     G = beta.size // (B * T * H)                              # value heads per key head
-    x = beta.reshape(B, T, H, G) * kk[..., None]
     if gate.size == beta.size:
         a = gate.reshape(B, T, H, G)
-    elif gate.size == beta.size * Dk:                         # per key: the largest decay
-        a = np.max(gate.reshape(B, T, H, G, Dk), axis=-1)
+    elif gate.size == beta.size * Dk:
+        a = gate.reshape(B, T, H, G, Dk)
     else:
         return None
-    if log_gate:
-        a = np.exp(a)
-    grow = np.where(x > 2, a * (x - 1), 0)
-    worst = np.fmax.reduce(grow, axis=None)
+    beta = beta.reshape(B, T, H, G)
+    parts = _token_parts(B, T, H, Dk * G)                     # over tokens and heads
+    dt = k.dtype if k.dtype in _FLOATS else np.float64       # float16 squares overflow early
+    if len(parts) == 1:                                       # ||k||^2 per token and head
+        kd = k.astype(dt, copy=False)
+        kk = np.einsum("bthd,bthd->bth", kd, kd)
+    else:
+        kk = np.empty((B, T, H), dt)
+        for sl in parts:
+            kd = k[sl].astype(dt, copy=False)
+            np.einsum("bthd,bthd->bth", kd, kd, out=kk[sl])
+    kk_max = _max(kk)
+    if not _max(beta) * kk_max > 2:                           # the usual case: done
+        return None
+    worst = x_max = -np.inf
+    for sl in parts:
+        x = beta[sl] * kk[sl][..., None]
+        ai = a[sl] if a.ndim == 4 else np.max(a[sl], axis=-1)   # per key: the largest decay
+        grow = np.where(x > 2, (np.exp(ai) if log_gate else ai) * (x - 1), 0)
+        worst = np.fmax(worst, np.fmax.reduce(grow, axis=None))
+        x_max = np.fmax(x_max, np.fmax.reduce(x, axis=None))
     if not worst > 1:
         return None
-    return (f"beta * ||k||^2 is above 2{where} (up to {np.fmax.reduce(x, axis=None):.3g}; "
+    return (f"beta * ||k||^2 is above 2{where} (up to {x_max:.3g}; "
             f"||k||^2 up to {kk_max:.3g}) at steps where the transition along k, "
             f"alpha * (1 - beta ||k||^2), has magnitude up to {worst:.3g} > 1: the state can "
             f"grow without bound (the delta rule is stable for beta ||k||^2 in [0, 2]); "

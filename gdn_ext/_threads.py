@@ -118,17 +118,17 @@ class threads:
 PIECE = 1 << 18
 
 
-def pieces(shape):
-    """Index tuples that cut an array of ``shape`` (C order) into pieces of about ``PIECE``
+def pieces(shape, size=PIECE):
+    """Index tuples that cut an array of ``shape`` (C order) into pieces of about ``size``
     elements along its leading axes; each piece of a C-contiguous array is contiguous."""
-    if int(np.prod(shape, dtype=np.int64)) <= PIECE:
+    if int(np.prod(shape, dtype=np.int64)) <= size:
         return [()]
     # the first axis whose trailing block fits in a piece; steps of several of its entries
     axis, block = len(shape) - 1, 1
-    while axis > 0 and block * shape[axis] <= PIECE:
+    while axis > 0 and block * shape[axis] <= size:
         block *= shape[axis]
         axis -= 1
-    step = max(1, PIECE // max(1, int(np.prod(shape[axis + 1:], dtype=np.int64))))
+    step = max(1, size // max(1, int(np.prod(shape[axis + 1:], dtype=np.int64))))
     return [lead + (slice(s, s + step),)
             for lead in np.ndindex(*shape[:axis]) for s in range(0, shape[axis], step)]
 

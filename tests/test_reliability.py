@@ -298,6 +298,42 @@ def test_ctrl_c_stops_long_calls():
     assert float(lines["after"]) < 1e-4
 
 
+CHECKS_INTERRUPT = r"""
+import os, signal, threading, time
+import numpy as np, gdn_ext
+T, D = 3_000_000, 128
+k = np.full((1, T, 1, D), 0.05, np.float16)      # ||k||^2 = 0.32: in range, nothing to warn
+kw = dict(beta=np.full((1, T, 1), .5, np.float16), g=np.full((1, T, 1), -.01, np.float16))
+for check_values in (True, False):
+    sent = []
+    def fire():
+        time.sleep(0.2)
+        sent.append(time.perf_counter())
+        os.kill(os.getpid(), signal.SIGINT)
+    th = threading.Thread(target=fire)
+    th.start()
+    try:
+        gdn_ext.gated_delta_rule(k, k, k, check_values=check_values, **kw)
+        print(check_values, "finished")
+    except KeyboardInterrupt:
+        print(check_values, "interrupted", time.perf_counter() - sent[0])
+    th.join()
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_stops_the_value_checks():
+    """SIGINT while check_values reads a large float16 k (3e6 tokens x 128: one pass over it
+    took about a second in one NumPy call, the signal waiting for its end): KeyboardInterrupt
+    within 0.5 s, as with check_values=False."""
+    out = run_python(CHECKS_INTERRUPT)
+    assert out.returncode == 0, out.stderr
+    for line in out.stdout.splitlines():
+        checks, what, *latency = line.split()
+        assert what == "interrupted", out.stdout
+        assert float(latency[0]) < 0.5, out.stdout
+
+
 # ---- warnings at the caller's line ----------------------------------------------------------------
 
 def _small(rng, B=1, T=5, H=2, D=3):

@@ -143,6 +143,33 @@ def test_single_head_and_grouped_heads_check_the_right_keys():
             "beta * ||k||^2 is above 2")
 
 
+@pytest.mark.parametrize("gate", ["per head", "per key"])
+def test_big_keys_in_many_pieces_give_the_whole_arrays_numbers(gate):
+    """The beta ||k||^2 check reads k by pieces of tokens (Ctrl-C between them): with keys of
+    1 700 tokens x 2 heads x 96 (several pieces), grouped value heads and the worst step in a
+    late piece, the warning's three numbers are those of the whole arrays."""
+    rng = np.random.default_rng(8)
+    B, T, H, G, Dk = 2, 1700, 2, 2, 96
+    k = rng.standard_normal((B, T, H, Dk)) / np.sqrt(Dk)
+    k[1, 1500, 1] *= 4.0                                 # ||k||^2 about 16 there
+    beta = rng.uniform(0.0, 0.1, (B, T, H * G))
+    beta[1, 1500, 3] = 0.5                               # value head 3 reads key head 1
+    shape = (B, T, H * G) if gate == "per head" else (B, T, H * G, Dk)
+    a = rng.uniform(0.5, 1.0, shape)
+    kk = np.einsum("bthd,bthd->bth", k, k)
+    x = beta.reshape(B, T, H, G) * kk[..., None]
+    a_max = a.reshape(B, T, H, G) if gate == "per head" else a.reshape(B, T, H, G, Dk).max(-1)
+    worst = np.where(x > 2, a_max * (x - 1), 0).max()
+    assert worst > 1
+    q = rng.standard_normal((B, T, H, Dk))
+    v = rng.standard_normal((B, T, H * G, 3))
+    w = _caught(lambda: gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=a))
+    m = [str(r.message) for r in w if "beta * ||k||^2" in str(r.message)]
+    assert len(m) == 1, m
+    for number in (x.max(), kk.max(), worst):
+        assert f"{number:.3g}" in m[0], (f"{number:.3g}", m[0])
+
+
 def test_linear_attention_takes_any_beta():
     """delta_rule=False writes beta v k^T: beta only scales the write, nothing diverges from it;
     no beta warning there (the decay's still stands)."""
