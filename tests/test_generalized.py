@@ -194,6 +194,37 @@ def test_normalize_qk_equals_prenormalised_inputs():
     assert np.max(np.abs(np.sum(grads.dq * inputs["q"], axis=-1))) < 1e-6 * np.max(np.abs(grads.dq))
 
 
+@pytest.mark.parametrize("api", ["recurrent", "chunk", "reference"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_normalize_qk_with_one_key_channel_is_accurate(api, dtype):
+    """Dk = 1: x^ = x / sqrt(x^2 + eps) is +-1 up to eps, and its gradient eps / n^3 was taken as
+    the difference of two nearly equal numbers: relative errors of about the dtype's epsilon
+    times n^2 / eps (here |x| up to 9: float64 1e-8, float32 all digits lost). Element by
+    element against the chain rule through the same call on pre-normalised inputs."""
+    from gdn_ext._constants import L2_EPS
+    rng = np.random.default_rng(16)
+    B, T, H, Dv = 1, 80, 2, 8
+    x = dict(q=rng.standard_normal((B, T, H, 1)) * 3, k=rng.standard_normal((B, T, H, 1)) * 3,
+             v=rng.standard_normal((B, T, H, Dv)), beta=rng.uniform(0, 1, (B, T, H)),
+             alpha=rng.uniform(0.5, 1, (B, T, H)), do=rng.standard_normal((B, T, H, Dv)))
+    x = {n: a.astype(dtype) for n, a in x.items()}
+    eps = dtype(L2_EPS)
+    norm = {c: np.sqrt(x[c] * x[c] + eps) for c in "qk"}   # as the kernels round it
+
+    def backward(q, k, **kw):
+        rest = {n: x[n] for n in ("beta", "alpha")}
+        if api == "reference":
+            return reference.gated_delta_rule_backward(x["do"], q, k, x["v"], **rest, **kw)
+        return gdn_ext.gated_delta_rule_backward(x["do"], q, k, x["v"], **rest, **kw,
+                                                 algorithm=api, chunk_size=16)
+    pre = backward(x["q"] / norm["q"], x["k"] / norm["k"])
+    got = backward(x["q"], x["k"], normalize_qk=True)
+    for c in "qk":
+        want = getattr(pre, "d" + c) * (eps / (norm[c] * norm[c])) / norm[c]
+        np.testing.assert_allclose(getattr(got, "d" + c), want, rtol=1e-13 if dtype == np.float64
+                                   else 1e-5, atol=0, err_msg=f"d{c}")
+
+
 @pytest.mark.skipif(not gdn_ext.openmp_enabled(), reason="built without OpenMP")
 def test_general_path_identical_with_1_and_2_threads():
     cu = [0, 50, 51, 300]
