@@ -334,6 +334,46 @@ def test_ctrl_c_stops_the_value_checks():
         assert float(latency[0]) < 0.5, out.stdout
 
 
+TORCH_CAST_INTERRUPT = r"""
+import os, signal, threading, time
+import torch, gdn_ext.torch as gt
+q = torch.full((1, 600_000, 2, 128), 0.05)                   # float32
+beta, g = torch.full((1, 600_000, 2), 0.5), torch.full((1, 600_000, 2), -0.01, dtype=torch.float64)
+for name, call in (("gdn_ext.torch", lambda: gt.gated_delta_rule(q, q, q, beta=beta, g=g,
+                                                                   check_values=False)),
+                   ("fla", lambda: gt.chunk_gated_delta_rule(q, q, q, g, beta,
+                                                             check_values=False))):
+    sent = []
+    def fire():
+        time.sleep(0.2)
+        sent.append(time.perf_counter())
+        os.kill(os.getpid(), signal.SIGINT)
+    th = threading.Thread(target=fire)
+    th.start()
+    try:
+        call()
+        print(name, "finished")
+    except KeyboardInterrupt:
+        print(name, "interrupted", time.perf_counter() - sent[0])
+    th.join()
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_stops_the_torch_casts():
+    """SIGINT while gdn_ext.torch casts float32 q, k, v of [1, 600000, 2, 128] to float64 (a
+    float64 gate sets the computation's dtype): each .to() was one call the signal waited for
+    (0.75-1.1 s); through gdn_ext.torch.gated_delta_rule and the flash-linear-attention drop-in,
+    KeyboardInterrupt within 0.5 s."""
+    pytest.importorskip("torch")
+    out = run_python(TORCH_CAST_INTERRUPT)
+    assert out.returncode == 0, out.stderr
+    for line in out.stdout.splitlines():
+        name, what, *latency = line.split()
+        assert what == "interrupted", out.stdout
+        assert float(latency[0]) < 0.5, out.stdout
+
+
 # ---- warnings at the caller's line ----------------------------------------------------------------
 
 def _small(rng, B=1, T=5, H=2, D=3):

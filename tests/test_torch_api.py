@@ -353,6 +353,29 @@ def test_forward_returns_a_named_tuple():
         assert type(dropin(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"])) is tuple
 
 
+def test_large_inputs_cast_in_pieces_keep_their_gradients():
+    """float32 q, k, v of more than 2^18 elements with a float64 gate: cast to float64 piece by
+    piece (Ctrl-C between pieces), with o returned in float32 and the gradients of every input
+    in its own dtype, bit for bit those of casting them up front."""
+    rng = torch.Generator().manual_seed(29)
+    B, T, H, D = 1, 2100, 1, 128                     # 268 800 elements each
+    x = {"q": torch.randn(B, T, H, D, generator=rng), "v": torch.randn(B, T, H, D, generator=rng),
+         "k": torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=rng), dim=-1)}
+    beta = torch.rand(B, T, H, generator=rng, dtype=torch.float64)
+    g = -torch.rand(B, T, H, generator=rng, dtype=torch.float64)
+    a = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, S = gt.gated_delta_rule(a["q"], a["k"], a["v"], beta=beta, g=g)
+    assert o.dtype == torch.float32 and S.dtype == torch.float64
+    (o.sum() + S.sum()).backward()
+    b = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o2, S2 = gt.gated_delta_rule(*(b[n].double() for n in ("q", "k", "v")), beta=beta, g=g)
+    (o2.float().sum() + S2.sum()).backward()
+    torch.testing.assert_close(o, o2.float(), rtol=0, atol=0)
+    for n in x:
+        assert a[n].grad.dtype == torch.float32
+        torch.testing.assert_close(a[n].grad, b[n].grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("gate_shape", ["[HV]", "[1, 1, HV]", "[T, HV]"])
 @pytest.mark.parametrize("gate", ["g", "alpha"])
 def test_torch_compile_dynamic_gate_per_head_with_HV_equal_Dk(gate_shape, gate):

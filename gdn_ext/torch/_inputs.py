@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .._checks import gate_axis_note
+from .._threads import PIECE, pieces
 
 __all__ = ["GatedDeltaRuleOutput"]
 
@@ -57,6 +58,35 @@ def compute_dtype(tensors: Sequence[Optional[torch.Tensor]]) -> torch.dtype:
                                  for t in tensors) else torch.float32)
 
 
+class _CastInPieces(torch.autograd.Function):
+    """x.to(dtype) for a large CPU tensor, copied piece by piece (`cast`); its gradient is cast
+    back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):   # type: ignore[override]
+        ctx.source = x.dtype
+        out = torch.empty(x.shape, dtype=dtype)
+        with torch.no_grad():
+            for sl in pieces(tuple(x.shape)):
+                out[sl].copy_(x[sl])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):   # type: ignore[override]
+        return cast(grad, ctx.source), None
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x.to(dtype), differentiable as it is. One .to() of a large tensor is one call that Ctrl-C
+    waits for (float32 [1, 600000, 2, 128] to float64: about a second); on the CPU and outside
+    torch.compile (whose graph would hold every piece) a tensor of more than PIECE elements is
+    copied in pieces, between which Python handles signals."""
+    if x.dtype == dtype or x.numel() <= PIECE or x.device.type != "cpu" \
+            or torch.compiler.is_compiling():
+        return x.to(dtype)
+    return _CastInPieces.apply(x, dtype)
+
+
 def is_number(x) -> bool:
     """A real Python (or NumPy) number, not a bool: beta or a gate given as a scalar."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
@@ -73,7 +103,7 @@ def per_head(x, name: str, dtype: torch.dtype, device, B, T, HV, Dk=None, single
     if is_number(x):
         x = torch.tensor(float(x), dtype=dtype, device=device)
     else:
-        x = x.to(dtype)
+        x = cast(x, dtype)
     given = list(x.shape)
     shape = (B, T) if single else (B, T, HV)
     if single and Dk is None and x.dim() == 3 and x.shape[-1] == 1:
@@ -163,7 +193,7 @@ def prepare(q, k, v, beta, gate, gate_name, initial_state, cpu=True, notes=None)
     beta = per_head(beta, "beta", dt, q.device, B, T, HV, single=single, heads=heads)
     gate = per_head(gate, gate_name, dt, q.device, B, T, HV, Dk, single=single, heads=heads,
                     notes=notes)
-    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    q, k, v = cast(q, dt), cast(k, dt), cast(v, dt)
     if initial_state is not None:
-        initial_state = initial_state.to(dt)
+        initial_state = cast(initial_state, dt)
     return q, k, v, beta, gate, initial_state, out_dtype

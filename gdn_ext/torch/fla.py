@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .._checks import flag
 from .._problem import packed_sequences
-from ._inputs import check_float, compute_dtype, input_dtype
+from ._inputs import cast, check_float, compute_dtype, input_dtype
 from .function import cu_tensor, gated_delta_rule, warn_unusual
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -111,7 +111,7 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
             raise ValueError("give the log decay g [B, T, HV] (or gk [B, T, HV, K] per key "
                              "channel)")
         g = v.new_zeros((B, T, HV), dtype=dt)    # fused recurrent without a gate: alpha = 1
-    g, gk = (None if x is None else x.to(dt) for x in (g, gk))   # added in dt, not in half
+    g, gk = (None if x is None else cast(x, dt) for x in (g, gk))   # added in dt, not in half
     log_decay = gk if g is None else (g if gk is None else g[..., None] + gk)
     if beta is None:                     # the fused recurrent kernel's default: beta = 1
         beta = v.new_ones((B, T, HV), dtype=dt)
@@ -122,7 +122,7 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
         scale = K ** -0.5
     if initial_state is not None and not state_v_first:   # [N, HV, K, V] -> gdn_ext's [.., V, K]
         initial_state = initial_state.transpose(-1, -2)
-    q, k, v, beta, log_decay = (x.to(dt) for x in (q, k, v, beta, log_decay))
+    q, k, v, beta, log_decay = (cast(x, dt) for x in (q, k, v, beta, log_decay))
     if check_values:     # on what the recurrence sees: the log decay and beta as computed here
         warn_unusual(q, k, beta, log_decay, log_gate=True, delta_rule=True,
                      normalize_qk=bool(use_qk_l2norm_in_kernel),
@@ -130,12 +130,12 @@ def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
                      "gk" if g is None else "g", dims=("B", "T", "H", "K"))
     o, S_T = gated_delta_rule(
         q, k, v, beta=beta, g=log_decay,
-        initial_state=None if initial_state is None else initial_state.to(dt), scale=scale,
+        initial_state=None if initial_state is None else cast(initial_state, dt), scale=scale,
         output_final_state=output_final_state, normalize_qk=bool(use_qk_l2norm_in_kernel),
         cu_seqlens=cu_seqlens, check_values=False, algorithm=algorithm, chunk_size=chunk_size)
     if S_T is not None and not state_v_first:   # a fresh [N, HV, K, V], as fla returns
         S_T = S_T.transpose(-1, -2).contiguous()
-    return o.to(out_dtype), S_T
+    return cast(o, out_dtype), S_T
 
 
 def _state_layout(state_v_first, transpose_state_layout):

@@ -27,7 +27,7 @@ from ..recurrence import checkpoint_count
 from ..recurrence import gated_delta_rule as _np_forward
 from ..recurrence import gated_delta_rule_backward as _np_backward
 from ..recurrence import _train_backward, _train_forward
-from ._inputs import GatedDeltaRuleOutput, check_ranks, prepare
+from ._inputs import GatedDeltaRuleOutput, cast, check_ranks, prepare
 from .loop import reference_gated_delta_rule
 
 __all__ = ["gated_delta_rule", "GatedDeltaRuleOutput"]
@@ -358,4 +358,4 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, beta:
     o, S_T, _ = torch.ops.gdn_ext.gated_delta_rule_fwd(
         q, k, v, beta, gate, initial_state, float(scale), gate_name == "g", normalize_qk,
         cu_seqlens, keep, threads, delta_rule, algorithm, chunk_size)
-    return GatedDeltaRuleOutput(o.to(out_dtype), S_T if output_final_state else None)
+    return GatedDeltaRuleOutput(cast(o, out_dtype), S_T if output_final_state else None)
