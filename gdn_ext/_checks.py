@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 
-from ._threads import PIECE, fp_recorded, pieces, report_fp, run_pieces
+from ._threads import PIECE, fp_recorded, lead_pieces, pieces, report_fp, run_pieces
 
 __all__ = []
 
@@ -223,15 +223,6 @@ def _max(x):
     return np.fmax.reduce([np.fmax.reduce(x[sl], axis=None) for sl in pieces(x.shape)])
 
 
-def _token_parts(B, T, H, per):
-    """Index tuples of pieces of [B, T, H] (each keeping its 3 axes) of about PIECE elements of
-    an array with ``per`` more elements per entry; [()] when all of it is one piece."""
-    if B * T * H * per <= PIECE:
-        return [()]
-    return [tuple(i if isinstance(i, slice) else slice(i, i + 1) for i in sl)
-            for sl in pieces((B, T, H), max(1, PIECE // per))]
-
-
 def head_first_message(shape, name="q", dims=("B", "T", "H", "Dk")):
     """The layout warning for q of ``shape`` [B, T, H, D] with 1 < T < H, else None: arrays
     [B, H, T, D] (head-first) read as [B, T, H, D] show a short T and many heads. Decoding
@@ -304,7 +295,7 @@ def _key_norm_message(beta, gate, k, log_gate, where):
     else:
         return None
     beta = beta.reshape(B, T, H, G)
-    parts = _token_parts(B, T, H, Dk * G)                     # over tokens and heads
+    parts = lead_pieces((B, T, H), Dk * G)                    # over tokens and heads
     dt = k.dtype if k.dtype in _FLOATS else np.float64       # float16 squares overflow early
     if len(parts) == 1:                                       # ||k||^2 per token and head
         kd = k.astype(dt, copy=False)

@@ -165,6 +165,16 @@ def report_fp(seen, what):
             np.geterrcall().write(f"Warning: {message}\n")
 
 
+def lead_pieces(lead, per=1):
+    """Index tuples of slices (every axis kept) that cut the leading axes ``lead`` of an array
+    with ``per`` elements per leading entry into pieces of about PIECE elements; [()] when it
+    is one piece."""
+    if int(np.prod(lead, dtype=np.int64)) * per <= PIECE:
+        return [()]
+    return [tuple(i if isinstance(i, slice) else slice(i, i + 1) for i in sl)
+            for sl in pieces(tuple(lead), max(1, PIECE // max(1, per)))]
+
+
 def run_pieces(work, items, num_threads=1, what="cast"):
     """``work(item)`` for every item: in order on the calling thread, or on up to
     ``num_threads`` threads (0: OpenMP's default count) when there are several items (NumPy's

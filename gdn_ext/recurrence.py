@@ -15,7 +15,7 @@ from ._native import _core
 from ._checks import as_real_array, converted, expect_shape, flag, sequence_length, warn
 from ._algorithm import chunk_for
 from ._problem import _Problem
-from ._threads import pieces, run_pieces, thread_count, threads
+from ._threads import lead_pieces, pieces, run_pieces, thread_count, threads
 from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, GatedDeltaRuleOutput,
                        GatedDeltaRuleOutputWithCheckpoints, StepResult)
 
@@ -472,10 +472,10 @@ def _user_grads(p, dq, dk, dv, dalpha, dbeta, dS0):
     dalpha over the keys for a scalar gate, dg = alpha * dalpha when the gate was g."""
     B, T, H, G, Dk = p.B, p.T, p.H, p.G, p.Dk
     if G > 1:
-        dq = dq.reshape(B, T, H, G, Dk).sum(axis=3)
-        dk = dk.reshape(B, T, H, G, Dk).sum(axis=3)
+        dq = _summed(dq.reshape(B, T, H, G, Dk), 3, p.num_threads)
+        dk = _summed(dk.reshape(B, T, H, G, Dk), 3, p.num_threads)
     if p.general and not p.per_key:
-        dalpha = dalpha.sum(axis=-1)
+        dalpha = _summed(dalpha, dalpha.ndim - 1, p.num_threads)
     dq, dk, dv = p.user_seq(dq), p.user_seq(dk), p.user_seq(dv)
     dbeta = dbeta.reshape(p.beta_shape)
     if p.gate_name == "g":
@@ -492,16 +492,37 @@ def _user_grads(p, dq, dk, dv, dalpha, dbeta, dS0):
                                sum_to(dalpha.reshape(p.gate_shape), p.gate_given), dS0)
 
 
+def _summed(x, axis, num_threads):
+    """x summed over ``axis`` (not one of its first two, [B, T]), by pieces of tokens on up to
+    num_threads threads: one sum over a large gradient is one call that Ctrl-C waits for."""
+    out = np.empty(x.shape[:axis] + x.shape[axis + 1:], x.dtype)
+    per = int(np.prod(x.shape[2:], dtype=np.int64))
+    run_pieces(lambda sl: np.sum(x[sl], axis=axis, out=out[sl]), lead_pieces(x.shape[:2], per),
+               num_threads, "add")
+    return out
+
+
 def sum_to(x, shape):
     """The gradient ``x`` of an argument that was broadcast from ``shape``: summed over the axes
     broadcasting added or stretched (an array of ``shape``; 0-d for a scalar). ``x`` itself when
-    the argument was given in full (shape None)."""
+    the argument was given in full (shape None). A large x is summed by pieces of its first
+    axes (Ctrl-C between them), the pieces' sums added in order."""
     if shape is None:
         return x
     lead = x.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
                                       if n == 1 and x.shape[lead + i] != 1)
-    return x.sum(axis=axes, keepdims=True).reshape(shape)   # (an array, also for shape ())
+    if not axes:
+        return x.reshape(shape)
+    k = min(2, x.ndim)
+    parts = lead_pieces(x.shape[:k], int(np.prod(x.shape[k:], dtype=np.int64)))
+    if len(parts) == 1:
+        return x.sum(axis=axes, keepdims=True).reshape(shape)   # (an array, also for shape ())
+    total = np.zeros([1 if a in axes else n for a, n in enumerate(x.shape)], x.dtype)
+    for sl in parts:   # into the piece's rows of the axes kept, the whole of those summed
+        total[tuple(slice(None) if a in axes else i for a, i in enumerate(sl))] += \
+            x[sl].sum(axis=axes, keepdims=True)
+    return total.reshape(shape)
 
 
 def _checked_ckpt(p, checkpoints, initial_state):

@@ -160,6 +160,42 @@ def test_sum_to():
     np.testing.assert_array_equal(sum_to(x, (3, 1)), x.sum(axis=(0, 2))[:, None])
 
 
+@pytest.mark.parametrize("shape", [(), (4,), (1, 4), (70000, 1), (3, 1, 4), (3, 70000, 1),
+                                   (1, 1, 1), (3, 1, 1), (1, 70000, 4)])
+def test_sum_to_by_pieces(shape):
+    """A gradient of more than 2^18 elements is summed by pieces of its first axes (Ctrl-C
+    between them): the sums of one NumPy call, to rounding, in every broadcast form."""
+    x = np.random.default_rng(30).standard_normal((3, 70000, 4))
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
+                                      if n == 1 and x.shape[lead + i] != 1)
+    want = x.sum(axis=axes, keepdims=True).reshape(shape)
+    got = sum_to(x, shape)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(x).sum())
+
+
+def test_grouped_gradients_by_pieces():
+    """dq, dk summed over each group of value heads by pieces of tokens, on 1 and 2 threads: the
+    same bits either way, equal to summing the value heads' own (the same call without groups,
+    k and q repeated per value head)."""
+    rng = np.random.default_rng(31)
+    B, T, H, G, D = 1, 3000, 2, 2, 32            # dq per value head: 384 000 elements
+    q, k = rng.standard_normal((B, T, H, D)), rng.standard_normal((B, T, H, D)) / np.sqrt(D)
+    v, do = rng.standard_normal((B, T, H * G, D)), rng.standard_normal((B, T, H * G, D))
+    kw = dict(beta=rng.uniform(0, 1, (B, T, H * G)), alpha=rng.uniform(0.9, 1, (B, T, H * G)))
+    one = gdn_ext.gated_delta_rule_backward(do, q, k, v, num_threads=1, **kw)
+    two = gdn_ext.gated_delta_rule_backward(do, q, k, v, num_threads=2, **kw)
+    np.testing.assert_array_equal(one.dq, two.dq)
+    np.testing.assert_array_equal(one.dk, two.dk)
+    wide = gdn_ext.gated_delta_rule_backward(do, np.repeat(q, G, axis=2), np.repeat(k, G, axis=2),
+                                             v, num_threads=1, **kw)
+    np.testing.assert_allclose(one.dq, wide.dq.reshape(B, T, H, G, D).sum(3), rtol=1e-12,
+                               atol=1e-12)
+    np.testing.assert_allclose(one.dk, wide.dk.reshape(B, T, H, G, D).sum(3), rtol=1e-12,
+                               atol=1e-12)
+
+
 @pytest.mark.parametrize("beta,gate,per_key", FORMS)
 def test_dask_takes_the_same_forms(beta, gate, per_key):
     """gdn_ext.dask: the same results, bitwise, as one NumPy call, and gradients in the shapes
