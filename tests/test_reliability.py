@@ -246,103 +246,11 @@ def test_errstate_governs_the_conversions_on_every_thread(threads, what, mode, T
 
 # ---- Ctrl-C ---------------------------------------------------------------------------------------
 
-INTERRUPT = r"""
-import os, signal, sys, threading, time
-import numpy as np, gdn_ext
-T, D = int(sys.argv[1]), 128
-rng = np.random.default_rng(0)
-q = rng.standard_normal((1, T, 1, D)).astype(np.float32)
-k = q / np.linalg.norm(q, axis=-1, keepdims=True)
-kw = dict(beta=np.full((1, T, 1), .5, np.float32), alpha=np.full((1, T, 1), .99, np.float32))
-short = T // 50
-t = time.perf_counter()
-gdn_ext.gated_delta_rule(q[:, :short], k[:, :short], q[:, :short], beta=kw["beta"][:, :short],
-                         alpha=kw["alpha"][:, :short])
-estimate = 50 * (time.perf_counter() - t)
-for name, call in (("forward", lambda: gdn_ext.gated_delta_rule(q, k, q, **kw)),
-                   ("backward", lambda: gdn_ext.gated_delta_rule_backward(q, q, k, q, **kw))):
-    sent = []
-    def fire():
-        time.sleep(0.2)
-        sent.append(time.perf_counter())
-        os.kill(os.getpid(), signal.SIGINT)
-    th = threading.Thread(target=fire)
-    th.start()
-    start = time.perf_counter()
-    try:
-        call()
-        print(name, "finished", time.perf_counter() - start, estimate)
-    except KeyboardInterrupt:
-        print(name, "interrupted", time.perf_counter() - sent[0], estimate)
-    th.join()
-o, S = gdn_ext.gated_delta_rule(q[:, :64], k[:, :64], q[:, :64], beta=kw["beta"][:, :64],
-                                alpha=kw["alpha"][:, :64])
-ref, _ = gdn_ext.reference.gated_delta_rule(q[:, :64], k[:, :64], q[:, :64],
-                                            beta=kw["beta"][:, :64], alpha=kw["alpha"][:, :64])
-print("after", float(np.max(np.abs(o - ref))))
-"""
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_ctrl_c_stops_long_calls():
-    """SIGINT during a forward (about a second of work) and a backward (several): each raises
-    KeyboardInterrupt within a fraction of a second of the signal, and the next call is right."""
-    out = run_python(INTERRUPT.replace("sys.argv[1]", "1000000"))
-    assert out.returncode == 0, out.stderr
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
-    for name in ("forward", "backward"):
-        what, latency, estimate = lines[name].split()
-        assert what == "interrupted", out.stdout
-        # within a tenth of the call's length of work and well before it would have ended
-        assert float(latency) < max(0.5, 0.1 * float(estimate)), out.stdout
-    assert float(lines["after"]) < 1e-4
-
-
-CHECKS_INTERRUPT = r"""
+# interrupt(name, call): call() with SIGINT 0.2 s after it starts; prints name and "interrupted"
+# with the seconds from the signal to the KeyboardInterrupt, or "finished"
+SIGINT_AFTER = r"""
 import os, signal, threading, time
-import numpy as np, gdn_ext
-T, D = 3_000_000, 128
-k = np.full((1, T, 1, D), 0.05, np.float16)      # ||k||^2 = 0.32: in range, nothing to warn
-kw = dict(beta=np.full((1, T, 1), .5, np.float16), g=np.full((1, T, 1), -.01, np.float16))
-for check_values in (True, False):
-    sent = []
-    def fire():
-        time.sleep(0.2)
-        sent.append(time.perf_counter())
-        os.kill(os.getpid(), signal.SIGINT)
-    th = threading.Thread(target=fire)
-    th.start()
-    try:
-        gdn_ext.gated_delta_rule(k, k, k, check_values=check_values, **kw)
-        print(check_values, "finished")
-    except KeyboardInterrupt:
-        print(check_values, "interrupted", time.perf_counter() - sent[0])
-    th.join()
-"""
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_ctrl_c_stops_the_value_checks():
-    """SIGINT while check_values reads a large float16 k (3e6 tokens x 128: one pass over it
-    took about a second in one NumPy call, the signal waiting for its end): KeyboardInterrupt
-    within 0.5 s, as with check_values=False."""
-    out = run_python(CHECKS_INTERRUPT)
-    assert out.returncode == 0, out.stderr
-    for line in out.stdout.splitlines():
-        checks, what, *latency = line.split()
-        assert what == "interrupted", out.stdout
-        assert float(latency[0]) < 0.5, out.stdout
-
-
-TORCH_CAST_INTERRUPT = r"""
-import os, signal, threading, time
-import torch, gdn_ext.torch as gt
-q = torch.full((1, 600_000, 2, 128), 0.05)                   # float32
-beta, g = torch.full((1, 600_000, 2), 0.5), torch.full((1, 600_000, 2), -0.01, dtype=torch.float64)
-for name, call in (("gdn_ext.torch", lambda: gt.gated_delta_rule(q, q, q, beta=beta, g=g,
-                                                                   check_values=False)),
-                   ("fla", lambda: gt.chunk_gated_delta_rule(q, q, q, g, beta,
-                                                             check_values=False))):
+def interrupt(name, call):
     sent = []
     def fire():
         time.sleep(0.2)
@@ -359,19 +267,88 @@ for name, call in (("gdn_ext.torch", lambda: gt.gated_delta_rule(q, q, q, beta=b
 """
 
 
+def _interrupted_within(code, seconds):
+    """Runs SIGINT_AFTER + code in a fresh process: every call it interrupts raised
+    KeyboardInterrupt within ``seconds`` of the signal."""
+    out = run_python(SIGINT_AFTER + code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip(), out.stderr
+    for line in out.stdout.splitlines():
+        name, what, *latency = line.split()
+        assert what == "interrupted" and float(latency[0]) < seconds, out.stdout
+
+
+INTERRUPT = SIGINT_AFTER + r"""
+import sys
+import numpy as np, gdn_ext
+T, D = int(sys.argv[1]), 128
+rng = np.random.default_rng(0)
+q = rng.standard_normal((1, T, 1, D)).astype(np.float32)
+k = q / np.linalg.norm(q, axis=-1, keepdims=True)
+kw = dict(beta=np.full((1, T, 1), .5, np.float32), alpha=np.full((1, T, 1), .99, np.float32))
+short = T // 50
+t = time.perf_counter()
+gdn_ext.gated_delta_rule(q[:, :short], k[:, :short], q[:, :short], beta=kw["beta"][:, :short],
+                         alpha=kw["alpha"][:, :short])
+print("estimate", 50 * (time.perf_counter() - t))
+interrupt("forward", lambda: gdn_ext.gated_delta_rule(q, k, q, **kw))
+interrupt("backward", lambda: gdn_ext.gated_delta_rule_backward(q, q, k, q, **kw))
+o, S = gdn_ext.gated_delta_rule(q[:, :64], k[:, :64], q[:, :64], beta=kw["beta"][:, :64],
+                                alpha=kw["alpha"][:, :64])
+ref, _ = gdn_ext.reference.gated_delta_rule(q[:, :64], k[:, :64], q[:, :64],
+                                            beta=kw["beta"][:, :64], alpha=kw["alpha"][:, :64])
+print("after", float(np.max(np.abs(o - ref))))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_stops_long_calls():
+    """SIGINT during a forward (about a second of work) and a backward (several): each raises
+    KeyboardInterrupt within a fraction of a second of the signal, and the next call is right."""
+    out = run_python(INTERRUPT.replace("sys.argv[1]", "1000000"))
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    estimate = float(lines["estimate"])
+    for name in ("forward", "backward"):
+        what, latency = lines[name].split()
+        assert what == "interrupted", out.stdout
+        # within a tenth of the call's length of work and well before it would have ended
+        assert float(latency) < max(0.5, 0.1 * estimate), out.stdout
+    assert float(lines["after"]) < 1e-4
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_stops_the_value_checks():
+    """SIGINT while check_values reads a large float16 k (3e6 tokens x 128: one pass over it
+    took about a second in one NumPy call, the signal waiting for its end): KeyboardInterrupt
+    within 0.5 s, as with check_values=False."""
+    _interrupted_within(r"""
+import numpy as np, gdn_ext
+T, D = 3_000_000, 128
+k = np.full((1, T, 1, D), 0.05, np.float16)      # ||k||^2 = 0.32: in range, nothing to warn
+kw = dict(beta=np.full((1, T, 1), .5, np.float16), g=np.full((1, T, 1), -.01, np.float16))
+for check_values in (True, False):
+    interrupt(check_values, lambda: gdn_ext.gated_delta_rule(k, k, k, check_values=check_values,
+                                                             **kw))
+""", 0.5)
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_ctrl_c_stops_the_torch_casts():
     """SIGINT while gdn_ext.torch casts float32 q, k, v of [1, 600000, 2, 128] to float64 (a
     float64 gate sets the computation's dtype): each .to() was one call the signal waited for
-    (0.75-1.1 s); through gdn_ext.torch.gated_delta_rule and the flash-linear-attention drop-in,
+    (0.75-1.5 s); through gdn_ext.torch.gated_delta_rule and the flash-linear-attention drop-in,
     KeyboardInterrupt within 0.5 s."""
     pytest.importorskip("torch")
-    out = run_python(TORCH_CAST_INTERRUPT)
-    assert out.returncode == 0, out.stderr
-    for line in out.stdout.splitlines():
-        name, what, *latency = line.split()
-        assert what == "interrupted", out.stdout
-        assert float(latency[0]) < 0.5, out.stdout
+    _interrupted_within(r"""
+import torch, gdn_ext.torch as gt
+q = torch.full((1, 600_000, 2, 128), 0.05)                   # float32
+beta = torch.full((1, 600_000, 2), 0.5)
+g = torch.full((1, 600_000, 2), -0.01, dtype=torch.float64)
+interrupt("gdn_ext.torch", lambda: gt.gated_delta_rule(q, q, q, beta=beta, g=g,
+                                                       check_values=False))
+interrupt("fla", lambda: gt.chunk_gated_delta_rule(q, q, q, g, beta, check_values=False))
+""", 0.5)
 
 
 # ---- warnings at the caller's line ----------------------------------------------------------------
