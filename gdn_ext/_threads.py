@@ -145,24 +145,30 @@ def fp_recorded(seen):
     return np.errstate(all="call", call=seen.__setitem__)
 
 
-def report_fp(seen, what):
-    """The floating-point errors ``seen`` (`fp_recorded`) reported as NumPy would have on the
-    calling thread under its np.errstate, in operation ``what`` (warnings at the user's line)."""
+def fp_policy():
+    """This thread's np.errstate: (np.geterr(), np.geterrcall()), for `report_fp`."""
+    return np.geterr(), np.geterrcall()
+
+
+def report_fp(seen, what, policy=None, at=None):
+    """The floating-point errors ``seen`` (`fp_recorded`) in operation ``what`` reported as NumPy
+    would have under ``policy`` (`fp_policy`; default: this thread's np.errstate): warned at the
+    user's line (``at``: a _checks.caller_location), raised, called, printed or logged."""
     from ._checks import warn
-    policy = np.geterr()
+    modes, errcall = fp_policy() if policy is None else policy
     for err, key, flag in _FP_ERRORS:
-        mode = policy[key] if err in seen else "ignore"
+        mode = modes[key] if err in seen else "ignore"
         message = f"{err} encountered in {what}"
         if mode == "warn":
-            warn(message, RuntimeWarning)
+            warn(message, RuntimeWarning, at=at)
         elif mode == "raise":
             raise FloatingPointError(message)
         elif mode == "call":
-            np.geterrcall()(err, flag)
+            errcall(err, flag)
         elif mode == "print":
             print(f"Warning: {message}")
         elif mode == "log":
-            np.geterrcall().write(f"Warning: {message}\n")
+            errcall.write(f"Warning: {message}\n")
 
 
 def lead_pieces(lead, per=1):

@@ -18,12 +18,15 @@ Warnings (``check_values=True``, as :func:`gdn_ext.gated_delta_rule`'s): the lay
 beta, beta ||k||^2) when a chunk is computed, from that chunk's values. All point at the line
 that called ``gdn_ext.dask``. A chunk's warnings are issued where it runs: in this process for
 the threaded and synchronous schedulers, in the worker for processes and ``distributed``.
+Floating-point errors in a chunk (overflow, invalid, ...) follow the ``np.errstate`` in force when
+the graph was built, at that same line: warned, raised from ``compute()``, or ignored.
 
 Source of the math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2
 with Delta Rule", ICLR 2025 (arXiv:2412.06464), sec. 3.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import numpy as np
@@ -40,7 +43,7 @@ from ._problem import _Problem
 from ._checks import (as_real_array, caller_location, compute_dtype, flag, head_first_message, real_scalar,
                       value_messages, warn)
 from ._results import GatedDeltaRuleGrads, GatedDeltaRuleGradsG, GatedDeltaRuleOutput
-from ._threads import thread_count
+from ._threads import fp_policy, fp_recorded, report_fp, thread_count
 from .recurrence import gated_delta_rule as _np_forward
 from .recurrence import gated_delta_rule_backward as _np_backward
 from .recurrence import sum_to
@@ -202,6 +205,22 @@ def _options(scale, normalize_qk, delta_rule, num_threads, algorithm, chunk_size
                 chunk_size=chunk_size)
 
 
+def _fp_reporter(what):
+    """The graph-time np.errstate and user's line, and a context manager for a chunk's work
+    that reports its floating-point errors by them when it ends (dask's threads do not inherit
+    the errstate; its processes and workers do not have it)."""
+    policy, at = fp_policy(), caller_location()
+
+    @contextlib.contextmanager
+    def chunk():
+        seen = {}
+        with fp_recorded(seen):
+            yield
+        if seen:
+            report_fp(seen, f"a dask chunk of {what}", policy, at)
+    return chunk
+
+
 def _checker(x, check_values, delta_rule, normalize_qk):
     """The layout warning now (graph time), and a function that warns about a chunk's values
     when it runs (compute time), both at the user's line; None when check_values is False."""
@@ -278,12 +297,15 @@ def gated_delta_rule(q, k, v, *, beta, alpha=None, g=None, initial_state=None, s
         args.append(x.state(x.initial_state))
         sig += ",(g,v,k)"
 
+    fp = _fp_reporter("gated_delta_rule")
+
     def block(q_, k_, v_, b_, a_, s0_=None):
         u = _to_user(q_, k_, v_, b_, a_, s0_)
         if check is not None:
             check(u)
-        o, S = _np_forward(u["q"], u["k"], u["v"], beta=u["beta"], **{gate_name: u["gate"]},
-                           initial_state=u["s0"], check_values=False, **opts)
+        with fp():
+            o, S = _np_forward(u["q"], u["k"], u["v"], beta=u["beta"], **{gate_name: u["gate"]},
+                               initial_state=u["s0"], check_values=False, **opts)
         h = q_.shape[1]
         return (_from_user_seq(o, h, G).astype(dt, copy=False),
                 S.reshape((S.shape[0], h, G) + S.shape[2:]).astype(dt, copy=False))
@@ -342,6 +364,8 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         args.append(x.state(dST))
         sig += ",(g,v,k)"
 
+    fp = _fp_reporter("gated_delta_rule_backward")
+
     def block(do_, q_, k_, v_, b_, a_, *states):
         s0_ = states[0] if has_s0 else None
         dst_ = states[-1] if has_dst else None
@@ -351,8 +375,10 @@ def gated_delta_rule_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_
         h, b = q_.shape[1], q_.shape[0]
         d_o = do_.transpose(0, 3, 1, 2, 4).reshape(b, T, h * G, Dv)
         dS = None if dst_ is None else dst_.reshape((b, h * G) + dst_.shape[3:])
-        gr = _np_backward(d_o, u["q"], u["k"], u["v"], beta=u["beta"], **{gate_name: u["gate"]},
-                          initial_state=u["s0"], dS_T=dS, check_values=False, **opts)
+        with fp():
+            gr = _np_backward(d_o, u["q"], u["k"], u["v"], beta=u["beta"],
+                              **{gate_name: u["gate"]}, initial_state=u["s0"], dS_T=dS,
+                              check_values=False, **opts)
         dq, dk, dv, dbeta, dgate, ds0 = gr
         heads = lambda a: a.transpose(0, 2, 1, 3).astype(dt, copy=False)  # noqa: E731
         return (heads(dq), heads(dk), _from_user_seq(dv, h, G).astype(dt, copy=False),

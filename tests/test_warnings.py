@@ -415,6 +415,46 @@ def test_dask_values_warn_at_compute_time_at_the_callers_line(bad, scheduler):
     _silent(lambda: dask.compute(o, S, grads.dq, scheduler=scheduler))
 
 
+@pytest.mark.parametrize("mode", ["raise", "ignore", "warn"])
+@pytest.mark.parametrize("scheduler", ["threads", "sync"])
+@pytest.mark.parametrize("api", ["forward", "backward"])
+def test_dask_floating_point_errors_follow_the_graphs_errstate(mode, scheduler, api):
+    """An overflow in a chunk (exp of a float32 gate g = 100) follows the np.errstate in force
+    when the graph was built -- dask's threads do not inherit it: errstate(over="raise") raised
+    nothing and "ignore" still warned -- and warns at the line that built the graph."""
+    import dask
+    da, gd = _dask()
+    rng = np.random.default_rng(9)
+    B, T, H, D = 2, 20, 2, 4
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    k = q / np.linalg.norm(q, axis=-1, keepdims=True)
+    g = np.full((B, T, H), -0.1, np.float32)
+    g[1, 3, 0] = 100.0
+    x = _chunked(dict(q=q, k=k, v=q, beta=np.full((B, T, H), 0.5, np.float32), g=g))
+    q_, k_, v_ = x.pop("q"), x.pop("k"), x.pop("v")
+
+    def build():   # the user's line: the call below
+        if api == "forward":
+            return gd.gated_delta_rule(q_, k_, v_, check_values=False, **x).o
+        return gd.gated_delta_rule_backward(v_, q_, k_, v_, check_values=False, **x).dq
+    line = build.__code__.co_firstlineno + (2 if api == "forward" else 3)
+    with np.errstate(over=mode, invalid="ignore"):
+        out = build()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        if mode == "raise":
+            with pytest.raises(FloatingPointError, match="overflow encountered in a dask chunk"):
+                dask.compute(out, scheduler=scheduler)
+        else:
+            dask.compute(out, scheduler=scheduler)
+    over = [r for r in w if "overflow" in str(r.message)]
+    if mode == "warn":
+        assert over and all(r.filename == __file__ and r.lineno == line for r in over), \
+            [(r.filename, r.lineno, str(r.message)) for r in over]
+    else:
+        assert not over, [(r.filename, r.lineno, str(r.message)) for r in over]
+
+
 def _lineno():
     import sys
     return sys._getframe(1).f_lineno
