@@ -100,7 +100,7 @@ class _Problem:
 
     def __init__(self, q, k, v, beta, alpha, g, initial_state, scale, normalize_qk=False,
                  cu_seqlens=None, extra=(), step=False, check_values=True, delta_rule=True,
-                 num_threads=1, views=True):
+                 num_threads=1, views=True, backward=False):
         self.names = _Names(step)
         # threads for the conversions of large inputs (run_pieces); 0: OpenMP's default count
         self.num_threads = num_threads
@@ -115,11 +115,13 @@ class _Problem:
         self._check_shapes(q, k, v, beta, gate)
         self._check_packed(cu_seqlens)
         self._check_state(s0)
-        if check_values:
-            self._warn_unusual(k, beta, gate)
         strong = [a for a, w in zip((beta, gate), weak) if not w]
         self.dtype = compute_dtype([q, k, v] + strong + ([s0] if s0 is not None else [])
                                    + list(extra))
+        if views:
+            self._preflight(backward)
+        if check_values:
+            self._warn_unusual(k, beta, gate)
         if views:   # False: shapes only (gdn_ext.dask checks its lazy arrays' shapes here)
             self._build_views(q, k, v, beta, gate, s0)
 
@@ -240,6 +242,19 @@ class _Problem:
             raise ValueError(f"{self.gate_name} must have shape {head_lay()} = {head_user()} (one "
                              f"gate per head) or {key_lay} = {fmt(n.user(per_key))} (one per key "
                              f"channel); got {fmt(n.user(gate.shape))}{_BROADCASTS}")
+
+    def _preflight(self, backward):
+        """MemoryError now when the largest per-token output cannot be allocated (o; in the
+        backward dq, dk, dv or a per-key dalpha), not after the value checks and conversions,
+        which take seconds to minutes on inputs of tens of GB. The test allocation is given back
+        at once (untouched, it costs no page)."""
+        per = self.HV * (max(self.Dk, self.Dv) if backward else self.Dv)
+        n = self.B * self.T * per * np.dtype(self.dtype).itemsize
+        try:
+            np.empty(n, np.uint8)
+        except MemoryError:
+            raise MemoryError(f"an output of this call needs {n / 2**30:.1f} GiB of "
+                              f"{np.dtype(self.dtype).name}, more than can be allocated") from None
 
     def _warn_unusual(self, k, beta, gate):
         """Warnings for values a learner may not mean (cheap next to the recurrence; see

@@ -163,8 +163,8 @@ def report_fp(seen, what, policy=None, at=None):
             warn(message, RuntimeWarning, at=at)
         elif mode == "raise":
             raise FloatingPointError(message)
-        elif mode == "call":
-            errcall(err, flag)
+        elif mode == "call":   # with what NumPy passed: all the flags raised
+            errcall(err, seen[err])
         elif mode == "print":
             print(f"Warning: {message}")
         elif mode == "log":

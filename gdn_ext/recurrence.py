@@ -12,10 +12,11 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._native import _core
-from ._checks import as_real_array, converted, expect_shape, flag, sequence_length, warn
+from ._checks import as_real_array, converted, expect_shape, flag, sequence_length
 from ._algorithm import chunk_for
 from ._problem import _Problem
-from ._threads import lead_pieces, pieces, run_pieces, thread_count, threads
+from ._threads import (fp_recorded, lead_pieces, pieces, report_fp, run_pieces, thread_count,
+                       threads)
 from ._results import (GatedDeltaRuleGrads, GatedDeltaRuleGradsG, GatedDeltaRuleOutput,
                        GatedDeltaRuleOutputWithCheckpoints, StepResult)
 
@@ -48,22 +49,19 @@ def checkpoint_interval(T: int) -> int:
 def _call(ufunc, args, out, num_threads, chunk=(0, False)):
     """Run a gufunc as one call (its casts and all its inner-loop calls; Ctrl-C on the main
     thread stops it as a whole), in the form ``chunk`` = (chunk size, auto) asks for
-    (_algorithm.chunk_for; (0, False): the recurrence); NumPy's floating-point warnings
-    (errstate "warn") are issued at the caller's line instead of this one."""
+    (_algorithm.chunk_for; (0, False): the recurrence); NumPy's floating-point errors are
+    reported when it ends as the caller's np.errstate says, warnings at the caller's line
+    instead of this one (_threads.report_fp), whatever the mix of modes."""
+    seen = {}
     try:
         # inside the try: a KeyboardInterrupt right after it returns still ends the call
         _core._call_begin(num_threads, *chunk)
-        err = np.geterr()
-        modes = set(err.values())
-        if "warn" in modes and not modes & {"call", "log"}:
-            def report(kind, flag):
-                warn(f"{kind} encountered in {ufunc.__name__}", RuntimeWarning)
-            with np.errstate(call=report, **{k: "call" for k, m in err.items() if m == "warn"}):
-                ufunc(*args, out=out, dtype=out[0].dtype, casting="same_kind")
-        else:
+        with fp_recorded(seen):
             ufunc(*args, out=out, dtype=out[0].dtype, casting="same_kind")
     finally:
         _core._call_end()
+    if seen:
+        report_fp(seen, ufunc.__name__)
 
 
 def _step_out(p, out):
@@ -380,7 +378,7 @@ def _backward_problem(do, dS_T, q, k, v, beta, alpha, g, initial_state, scale, n
     dST = None if dS_T is None else as_real_array(dS_T, "dS_T")
     p = _Problem(q, k, v, beta, alpha, g, initial_state, scale, normalize_qk, cu_seqlens,
                  extra=[do] + ([dST] if dST is not None else []), check_values=check_values,
-                 delta_rule=delta_rule, num_threads=asked)
+                 delta_rule=delta_rule, num_threads=asked, backward=True)
     return p, do, dST
 
 

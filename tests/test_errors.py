@@ -152,6 +152,26 @@ def test_oversized_thread_request_is_capped_not_fatal(good):
         _core._set_call_threads(prev)
 
 
+@pytest.mark.parametrize("api", ["forward", "backward"])
+def test_outputs_too_large_for_memory_fail_before_the_checks(api, monkeypatch):
+    """A call whose outputs cannot be allocated (a broadcast v of 10^12 entries: o of 4 TB)
+    raises MemoryError, saying how much, before the value checks and conversions run (on inputs
+    of tens of GB those take minutes, and the error came after them)."""
+    import gdn_ext._problem as problem
+
+    def checks_ran(*a, **kw):
+        raise AssertionError("the value checks ran before the outputs were allocated")
+    monkeypatch.setattr(problem, "value_messages", checks_ran)
+    T = 10 ** 6
+    q = np.ones((1, T, 1, 2), np.float32)
+    v = np.broadcast_to(np.float32(1), (1, T, 1, T))
+    with pytest.raises(MemoryError, match="GiB of float32"):
+        if api == "forward":
+            gdn_ext.gated_delta_rule(q, q, v, beta=0.5, g=-0.1)
+        else:
+            gdn_ext.gated_delta_rule_backward(v, q, q, v, beta=0.5, g=-0.1)
+
+
 def test_workspace_size_overflow_raises_memory_error():
     """Sizes whose workspace would overflow size_t raise MemoryError (stride-0 fakes, no RAM)."""
     from numpy.lib.stride_tricks import as_strided

@@ -244,6 +244,38 @@ def test_errstate_governs_the_conversions_on_every_thread(threads, what, mode, T
     assert calls == (["overflow"] if mode == "call" else [])
 
 
+@pytest.mark.parametrize("other", ["call", "log", "print", "raise"])
+def test_kernel_warnings_at_the_callers_line_whatever_the_other_modes(other, capsys):
+    """The kernel's invalid value (from exp(100) = inf in a float32 gate) warns at the caller's
+    line while another category is in "call", "log", "print" or "raise" mode (with "call" or
+    "log" anywhere it pointed inside gdn_ext); the overflow goes where its own mode says."""
+    q = np.full((1, 4, 1, 2), 0.1, np.float32)
+    g = np.full((1, 4, 1), -0.1, np.float32)
+    g[0, 1] = 100.0
+    calls = []
+
+    class Log:
+        def write(self, m):
+            calls.append(m)
+
+    handler = Log() if other == "log" else lambda err, flag: calls.append(err)
+    with warnings.catch_warnings(record=True) as w, \
+            np.errstate(over=other, invalid="warn", call=handler):
+        warnings.simplefilter("always")
+        if other == "raise":
+            with pytest.raises(FloatingPointError, match="overflow encountered in exp"):
+                gdn_ext.gated_delta_rule(q, q, q, beta=0.5, g=g, check_values=False)
+        else:
+            gdn_ext.gated_delta_rule(q, q, q, beta=0.5, g=g, check_values=False)
+    if other != "raise":
+        invalid = [x for x in w if "invalid value" in str(x.message)]
+        assert invalid and all(x.filename == __file__ for x in invalid), \
+            [(str(x.message), x.filename, x.lineno) for x in w]
+    assert len(calls) == (1 if other in ("call", "log") else 0), calls
+    if other == "print":
+        assert "overflow encountered in exp" in capsys.readouterr().out
+
+
 # ---- Ctrl-C ---------------------------------------------------------------------------------------
 
 # interrupt(name, call): call() with SIGINT 0.2 s after it starts; prints name and "interrupted"
