@@ -142,6 +142,16 @@ def converted(a, dtype, fn=None, num_threads=1):
     return out
 
 
+def contiguous(a, num_threads=1):
+    """``a`` as a C-contiguous array: itself when it is one, else a copy made piece by piece
+    (Ctrl-C between pieces, as `converted`)."""
+    if a.flags.c_contiguous:
+        return a
+    out = np.empty(a.shape, a.dtype)
+    run_pieces(lambda sl: np.copyto(out[sl], a[sl]), pieces(a.shape), num_threads, "copy")
+    return out
+
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 

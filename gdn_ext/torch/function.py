@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .._algorithm import check_algorithm, chunk_for
-from .._checks import flag, head_first_message, value_messages, warn
+from .._checks import contiguous, flag, head_first_message, value_messages, warn
 from .._native import _core
 from .._threads import thread_count
 from ..recurrence import checkpoint_count
@@ -133,7 +133,7 @@ def _bwd_op(do: torch.Tensor, dS_T: Optional[torch.Tensor], q: torch.Tensor, k: 
                             checkpoints=_numpy(checkpoints), **kw)
     else:
         g = _np_backward(_numpy(do), _numpy(q), _numpy(k), _numpy(v), check_values=False, **kw)
-    return [torch.from_numpy(np.ascontiguousarray(x)) for x in g]
+    return [torch.from_numpy(contiguous(x)) for x in g]
 
 
 @_bwd_op.register_fake
