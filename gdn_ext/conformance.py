@@ -277,12 +277,15 @@ def _run_case(case, fn, convention, dtype, device, torch, rng, forward_only=Fals
     else:   # detached outputs: a backward that never reaches the inputs must not pass
         got["backward"] = None
         notes.append(f"no gradients: the target's outputs do not require grad; {_NO_GRADS_HINT}")
-    errors = {}
+    errors, missing = {}, []
     for n, a in got.items():
         if n in ("repeat", "backward"):
             errors[n] = (math.inf, math.inf)
             continue
         b = ref["o" if n == "o" else n]
+        if n not in ("o", "final_state") and np.abs(b).max(initial=0) > 0 and \
+                (a is None or not bool(a.detach().ne(0).any())):
+            missing.append(n)                    # the reference's gradient is not zero
         if a is None:
             errors[n] = (math.inf, math.inf) if np.abs(b).max(initial=0) > 0 else (0.0, 0.0)
             continue
@@ -292,6 +295,8 @@ def _run_case(case, fn, convention, dtype, device, torch, rng, forward_only=Fals
         err = float(np.abs(a - b).max(initial=0)) if np.all(np.isfinite(a)) else math.inf
         scale_b = float(np.abs(b).max(initial=0))
         errors[n] = (err, err / scale_b if scale_b > 0 else (0.0 if err == 0 else math.inf))
+    if missing:
+        notes.append(f"no gradient (None or all zeros) for {', '.join(missing)}")
     return errors, notes, dt
 
 

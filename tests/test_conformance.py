@@ -161,14 +161,24 @@ def _no_backward(q, k, v, g=None, beta=None, **kw):
     return _NoBackward.apply(o), _NoBackward.apply(S)
 
 
-@pytest.mark.parametrize("target", [_detached, _o_detached, _state_detached, _no_backward])
+def _zero_gradients(q, k, v, g=None, beta=None, **kw):
+    o, S = gt.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    tie = sum(0 * x.sum() for x in (q, k, v, g, beta))   # connected, with zero gradients
+    return o.detach() + tie, S.detach() + tie
+
+
+@pytest.mark.parametrize("target", [_detached, _o_detached, _state_detached, _no_backward,
+                                    _zero_gradients])
 def test_a_target_with_missing_gradients_fails(target):
     """A correct forward whose gradients are missing -- detached outputs, one of the two
-    detached, a backward that raises NotImplementedError -- fails every case that has gradients
-    to compare: a disconnected backward must never pass as "forward only"."""
+    detached, a backward that raises NotImplementedError, outputs tied to the inputs with zero
+    gradients -- fails every case that has gradients to compare: a disconnected backward must
+    never pass as "forward only"; the row's note says which gradients are missing."""
     report = conformance.run(target, "fla", "float32", cases=["T=1", "T=65", "repeatable"])
     assert not report.passed, report.table()
     assert all(r["status"] in ("FAIL", "error") for r in report.rows), report.table()
+    if target is _zero_gradients:
+        assert "no gradient (None or all zeros) for q, k, v" in report.rows[0]["note"]
 
 
 def test_forward_only_is_asked_for_and_said():
