@@ -154,15 +154,16 @@ def test_oversized_thread_request_is_capped_not_fatal(good):
 
 @pytest.mark.parametrize("api", ["forward", "backward"])
 def test_outputs_too_large_for_memory_fail_before_the_checks(api, monkeypatch):
-    """A call whose outputs cannot be allocated (a broadcast v of 10^12 entries: o of 4 TB)
-    raises MemoryError, saying how much, before the value checks and conversions run (on inputs
-    of tens of GB those take minutes, and the error came after them)."""
+    """A call whose outputs cannot be allocated (a broadcast v of 10^14 entries: o of 400 TB,
+    more than a 64-bit process can address, whatever the overcommit policy) raises MemoryError,
+    saying how much, before the value checks and conversions run (on inputs of tens of GB those
+    take minutes, and the error came after them)."""
     import gdn_ext._problem as problem
 
     def checks_ran(*a, **kw):
         raise AssertionError("the value checks ran before the outputs were allocated")
     monkeypatch.setattr(problem, "value_messages", checks_ran)
-    T = 10 ** 6
+    T = 10 ** 7
     q = np.ones((1, T, 1, 2), np.float32)
     v = np.broadcast_to(np.float32(1), (1, T, 1, T))
     with pytest.raises(MemoryError, match="GiB of float32"):
