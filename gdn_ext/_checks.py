@@ -214,23 +214,19 @@ OFF = " (check_values=False turns this warning off)"
 # The value checks read every element of k, beta and the gate: by pieces (PIECE elements, well
 # under a millisecond each), between which Python handles signals, so that Ctrl-C stops them.
 
+def _reduced(ufunc, x):
+    """ufunc.reduce over all of x (not empty), by pieces combined with the same ufunc."""
+    if x.size <= PIECE:
+        return ufunc.reduce(x, axis=None)
+    return ufunc.reduce([ufunc.reduce(x[sl], axis=None) for sl in pieces(x.shape)])
+
+
 def _range(x):
     """(min, max) ignoring NaN (NaN where all are); None for an empty array."""
     x = np.asarray(x)
     if x.size == 0:
         return None
-    if x.size <= PIECE:
-        return np.fmin.reduce(x, axis=None), np.fmax.reduce(x, axis=None)
-    lo, hi = zip(*((np.fmin.reduce(x[sl], axis=None), np.fmax.reduce(x[sl], axis=None))
-                   for sl in pieces(x.shape)))
-    return np.fmin.reduce(lo), np.fmax.reduce(hi)
-
-
-def _max(x):
-    """The largest value ignoring NaN (NaN where all are), by pieces; x not empty."""
-    if x.size <= PIECE:
-        return np.fmax.reduce(x, axis=None)
-    return np.fmax.reduce([np.fmax.reduce(x[sl], axis=None) for sl in pieces(x.shape)])
+    return _reduced(np.fmin, x), _reduced(np.fmax, x)
 
 
 def head_first_message(shape, name="q", dims=("B", "T", "H", "Dk")):
@@ -315,8 +311,8 @@ def _key_norm_message(beta, gate, k, log_gate, where):
         for sl in parts:
             kd = k[sl].astype(dt, copy=False)
             np.einsum("bthd,bthd->bth", kd, kd, out=kk[sl])
-    kk_max = _max(kk)
-    if not _max(beta) * kk_max > 2:                           # the usual case: done
+    kk_max = _reduced(np.fmax, kk)
+    if not _reduced(np.fmax, beta) * kk_max > 2:              # the usual case: done
         return None
     worst = x_max = -np.inf
     for sl in parts:
