@@ -973,11 +973,11 @@ static PyObject *py_fma_peak(PyObject *self, PyObject *args)
 
 static PyObject *py_busy_cap(PyObject *self, PyObject *args)
 {
-    /* _busy_cap() -> cap; _busy_cap(nt, late, total) reports a call first (for tests) */
-    int nt = 0;
+    /* _busy_cap() -> cap; _busy_cap(nt, late, total[, nlate]) reports a call first (for tests) */
+    int nt = 0, nlate = -1;
     double late = 0, total = 0;
-    if (!PyArg_ParseTuple(args, "|idd", &nt, &late, &total)) return NULL;
-    if (nt > 0) gdn_note_team(nt, late, total);
+    if (!PyArg_ParseTuple(args, "|iddi", &nt, &late, &total, &nlate)) return NULL;
+    if (nt > 0) gdn_note_team(nt, nlate < 0 ? (late > GDN_LATE_S ? nt : 0) : nlate, late, total);
     return PyLong_FromLong(gdn_default_thread_cap());
 }
 
@@ -991,8 +991,9 @@ static PyMethodDef methods[] = {
      "_forked_child() -> bool: whether this process is a fork() child (calls then run on one "
      "thread)."},
     {"_busy_cap", py_busy_cap, METH_VARARGS,
-     "_busy_cap([nt, late_s, total_s]) -> the cap on default threads (0: none), after reporting\n"
-     "a call whose last of nt threads started late_s after its start and which took total_s."},
+     "_busy_cap([nt, late_s, total_s[, n_late]]) -> the cap on default threads (0: none), after\n"
+     "reporting a call whose last of nt threads started late_s after its start, n_late of them\n"
+     "(default: all when late_s is over 0.5 ms) later than 0.5 ms, and which took total_s."},
     {"fma_peak", py_fma_peak, METH_VARARGS,
      "fma_peak(float64: bool, threads: int, seconds=0.2) -> GFLOP/s: the multiply-add ceiling of\n"
      "the kernels' instruction set (isa()) on `threads` threads (0: OpenMP's default), from\n"

@@ -185,12 +185,23 @@ int gdn_check_cu_seqlens(const int64_t *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, ptrd
 #define GDN_PARALLEL_MIN_WORK 65536.0
 int gdn_threads_for(ptrdiff_t n, int num_threads);
 /* A busy machine: after each parallel call the kernels report how late the last of its nt threads
- * started work (late) against the call's duration (total). When threads keep arriving late (their
- * cores run other work), default calls (num_threads 0) use fewer threads, halving the cap; when they
- * arrive on time the cap doubles again, and a capped call now and then probes with twice the cap.
- * Explicit thread counts are left as asked. Results never depend on the thread count. */
-void gdn_note_team(int nt, double late, double total);
+ * started work (late), how many started later than GDN_LATE_S (nlate) and the call's duration
+ * (total). When more than a quarter of the team arrives late and the call waits a quarter of its
+ * time for them (their cores run other work), default calls (num_threads 0) use only as many
+ * threads as were on time; when they arrive on time the cap doubles again, and a capped call now
+ * and then probes with twice the cap. One or two stragglers (a virtual CPU slow to wake) are not
+ * a busy machine. Explicit thread counts are left as asked. Results never depend on the thread count. */
+void gdn_note_team(int nt, int nlate, double late, double total);
 #define GDN_LATE_S 5e-4   /* seconds: later than an idle thread takes to wake */
+/* One parallel call's clock: gdn_team_start before the team forks, gdn_arrive (gdn_instances.inc)
+ * by each thread as it starts, gdn_team_done after the join (which reports to gdn_note_team unless
+ * the team had more threads than processors: late by construction). */
+typedef struct {
+    double start, late;   /* seconds: the fork; the last thread's start after it */
+    int nlate;            /* threads that started later than GDN_LATE_S after the fork */
+} gdn_team_clock;
+gdn_team_clock gdn_team_start(void);
+void gdn_team_done(int nt, const gdn_team_clock *tc);
 /* nt threads (from gdn_threads_for) under the busy-machine cap when num_threads is 0 (default). */
 int gdn_capped_threads(int nt, int num_threads);
 int gdn_default_thread_cap(void);   /* the current cap, 0 for none */

@@ -199,14 +199,14 @@ int gdn_default_thread_cap(void)
     return cap;
 }
 
-void gdn_note_team(int nt, double late, double total)
+void gdn_note_team(int nt, int nlate, double late, double total)
 {
     if (nt < 2 || !(total > 0)) return;
     int cap = gdn_default_thread_cap();
-    /* a quarter of the call waiting for a thread, and longer than waking an idle one takes:
-     * their cores run other work */
-    if (late > 0.25 * total && late > GDN_LATE_S)
-        cap = nt / 2 > 1 ? nt / 2 : 1;
+    /* a quarter of the call waiting for threads, longer than waking an idle one takes, and more
+     * than a quarter of the team late: their cores run other work */
+    if (late > 0.25 * total && late > GDN_LATE_S && 4 * nlate > nt)
+        cap = nt - nlate > 1 ? nt - nlate : 1;
     else if (late < 0.05 * total && cap != 0 && nt >= cap)   /* on time at the cap: grow */
         cap = 2 * cap >= gdn_num_procs() ? 0 : 2 * cap;
     else
@@ -215,6 +215,18 @@ void gdn_note_team(int nt, double late, double total)
     #pragma omp atomic write
 #endif
     busy_cap = cap;
+}
+
+gdn_team_clock gdn_team_start(void)
+{
+    gdn_team_clock tc = {gdn_now(), 0, 0};
+    return tc;
+}
+
+void gdn_team_done(int nt, const gdn_team_clock *tc)
+{
+    if (nt > gdn_num_procs()) return;   /* more threads than processors: late by construction */
+    gdn_note_team(nt, tc->nlate, tc->late, gdn_now() - tc->start);
 }
 
 int gdn_capped_threads(int nt, int num_threads)
