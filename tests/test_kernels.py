@@ -400,6 +400,21 @@ def test_busy_machine_cap_rule():
     assert gdn_ext._core._threads_for(1 << 20) >= 1  # explicit requests bypass the cap entirely
 
 
+def test_busy_machine_cap_ignores_oversubscribed_calls():
+    """A call asked to run more threads than there are processors waits for them by
+    construction: it must not lower the cap on default threads (before, a num_threads=16 call on 2
+    cores left default calls capped; 5 calls here)."""
+    cap = gdn_ext._core._busy_cap
+    while cap() != 0:
+        cap(max(cap(), 2), 0.0, 0.1, 0)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 512, 8, 64)).astype(np.float32)
+    kw = dict(beta=np.full((2, 512, 8), 0.5, np.float32), g=np.full((2, 512, 8), -0.1, np.float32))
+    for _ in range(5):
+        gdn_ext.gated_delta_rule(q, q, q, **kw, normalize_qk=True, num_threads=2 * os.cpu_count())
+        assert cap() == 0
+
+
 def test_checkpoints_edge_cases():
     """A NaN in the initial state propagates as without checkpoints; T = 0 has none; a dtype other
     than the computation's is refused (a cast would not give the forward's states)."""
