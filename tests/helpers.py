@@ -6,6 +6,13 @@ from gdn_ext.apps.check import central_differences  # noqa: F401  (the tests' fi
 ARGS = ("q", "k", "v", "beta", "alpha", "initial_state")
 
 
+def warns_unstable():
+    """pytest.warns for the value check's warning that beta ||k||^2 exceeds 2 (the delta rule's
+    stable range): for tests whose inputs are meant to lie outside it."""
+    import pytest
+    return pytest.warns(UserWarning, match=r"beta \* \|\|k\|\|\^2 is above 2")
+
+
 def make_inputs(rng, B=2, T=16, H=3, Dk=8, Dv=6, dtype=np.float64, single_head=False,
                 unit_keys=True, gate="alpha"):
     """Random well-scaled inputs as a dict of keyword arguments (q, k, v positional by name).

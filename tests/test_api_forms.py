@@ -323,6 +323,7 @@ def test_single_head_beta_broadcasts_with_its_unit_axis():
     """The single-head form's beta [B, T, 1] broadcasts too ([B, 1, 1]), gradient as given."""
     rng = np.random.default_rng(8)
     q, k, v = (rng.standard_normal((2, 5, 3)) for _ in range(3))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
     beta = np.array([0.3, 0.6]).reshape(2, 1, 1)
     got = gdn_ext.gated_delta_rule_backward(np.ones_like(v), q, k, v, beta=beta, alpha=0.9)
     full = gdn_ext.gated_delta_rule_backward(np.ones_like(v), q, k, v,

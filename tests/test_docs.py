@@ -198,3 +198,15 @@ def test_ci_runs_the_readme_test_command_and_the_docs_build():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     build = re.search(r"python -m sphinx [^\n`]*", text).group(0)
     assert "-W" in build.split() and build in ci, "the README's docs build is not in .ci/run"
+
+
+def test_a_warning_at_a_tests_line_fails_the_run(request):
+    """The suite runs quiet: a warning raised at a line of the tests is an error (pyproject's
+    filterwarnings), so a test either asserts the warnings its inputs give or gives inputs that
+    raise none; a warning from a library's own code stays a warning."""
+    import gdn_ext
+    rules = request.config.getini("filterwarnings")
+    assert {"error:::test_", "error:::helpers"} <= set(rules), rules
+    q = np.full((1, 4, 1, 3), 2.0)                     # ||k||^2 = 12: outside the stable range
+    with pytest.raises(UserWarning, match="beta"):
+        gdn_ext.gated_delta_rule(q, q, q, beta=np.full((1, 4, 1), 0.5), alpha=np.ones((1, 4, 1)))

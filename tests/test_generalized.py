@@ -336,6 +336,7 @@ def test_raw_general_ufunc_checks_cu_seqlens_itself():
 def test_single_head_packed_and_degenerate_heads():
     rng = np.random.default_rng(21)
     q = rng.standard_normal((1, 9, 3))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)   # also the keys: beta ||k||^2 <= 1
     v = rng.standard_normal((1, 9, 2))
     a, b = rng.uniform(0.5, 1, (1, 9)), rng.uniform(0, 1, (1, 9))
     S0 = rng.standard_normal((2, 2, 3))                      # [N, Dv, Dk]

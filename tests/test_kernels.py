@@ -348,6 +348,7 @@ def test_forward_hands_its_checkpoints_to_the_backward(case, dtype):
 def test_checkpoints_that_do_not_fit_are_refused():
     rng = np.random.default_rng(85)
     q = rng.standard_normal((1, 50, 2, 8))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)   # also the keys: beta ||k||^2 <= 1
     kw = dict(beta=np.full((1, 50, 2), 0.5), alpha=np.full((1, 50, 2), 0.9))
     S0 = rng.standard_normal((1, 2, 8, 8))
     _, _, ck = gdn_ext.gated_delta_rule(q, q, q, **kw, initial_state=S0, return_checkpoints=True)
@@ -420,6 +421,7 @@ def test_checkpoints_edge_cases():
     than the computation's is refused (a cast would not give the forward's states)."""
     rng = np.random.default_rng(86)
     q = rng.standard_normal((1, 20, 1, 4))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)   # also the keys: beta ||k||^2 <= 1
     kw = dict(beta=np.full((1, 20, 1), 0.5), alpha=np.full((1, 20, 1), 0.9))
     S0 = rng.standard_normal((1, 1, 4, 4))
     S0[0, 0, 0, 0] = np.nan
@@ -446,6 +448,7 @@ def test_no_value_rows_gives_zero_gradients(per_key):
     """Dv = 0: nothing is read out, so every gradient is exactly zero (not uninitialised memory)."""
     rng = np.random.default_rng(87)
     q = rng.standard_normal((1, 70, 2, 4))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)   # also the keys: beta ||k||^2 <= 1
     v = np.zeros((1, 70, 2, 0))
     a = rng.uniform(0.5, 1, (1, 70, 2, 4) if per_key else (1, 70, 2))
     for nt in (1, 3):

@@ -126,11 +126,12 @@ def test_dtypes_follow_ufunc_casting(in_dtype, want):
         cast["alpha"] = np.ones_like(cast["alpha"])
         cast["beta"] = np.ones_like(cast["beta"])
     args, kw = split(cast)
+    kw["check_values"] = False   # integer keys are far from unit norm; the dtypes are the point
     o, S_T = gdn_ext.gated_delta_rule(*args, **kw)
     assert o.dtype == S_T.dtype == want
     as64 = {n: a.astype(np.float64) for n, a in cast.items()}
     a64, k64 = split(as64)
-    o64, _ = gdn_ext.gated_delta_rule(*a64, **k64)
+    o64, _ = gdn_ext.gated_delta_rule(*a64, **k64, check_values=False)
     assert_rel_close(o, o64, 1e-5 if want == np.float32 else 1e-15, "o")
 
 

@@ -17,20 +17,25 @@ from helpers import run_python
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _unit(x):
+    """keys of norm 1, so that beta ||k||^2 <= 1 (no stability warning)"""
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
 def _seq(rng, B=2, T=5, H=2, Dk=4, Dv=3):
-    return dict(q=rng.standard_normal((B, T, H, Dk)), k=rng.standard_normal((B, T, H, Dk)),
+    return dict(q=rng.standard_normal((B, T, H, Dk)), k=_unit(rng.standard_normal((B, T, H, Dk))),
                 v=rng.standard_normal((B, T, H, Dv)), beta=rng.uniform(0, 1, (B, T, H)),
                 alpha=rng.uniform(0.5, 1, (B, T, H)))
 
 
 def _step(rng, B=2, H=2, Dk=4, Dv=3):
-    return dict(q_t=rng.standard_normal((B, H, Dk)), k_t=rng.standard_normal((B, H, Dk)),
+    return dict(q_t=rng.standard_normal((B, H, Dk)), k_t=_unit(rng.standard_normal((B, H, Dk))),
                 v_t=rng.standard_normal((B, H, Dv)), beta=rng.uniform(0, 1, (B, H)),
                 alpha=rng.uniform(0.5, 1, (B, H)), state=None)
 
 
 def _single(rng, B=2, T=5, Dk=4, Dv=3):
-    return dict(q=rng.standard_normal((B, T, Dk)), k=rng.standard_normal((B, T, Dk)),
+    return dict(q=rng.standard_normal((B, T, Dk)), k=_unit(rng.standard_normal((B, T, Dk))),
                 v=rng.standard_normal((B, T, Dv)), beta=rng.uniform(0, 1, (B, T)),
                 alpha=rng.uniform(0.5, 1, (B, T)))
 

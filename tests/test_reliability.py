@@ -1,5 +1,6 @@
 """Reliability: exact aliases of the raw gufuncs' outputs and inputs, fork, floating-point flags
 across inner-loop calls, Ctrl-C, and warnings that point at the caller's line."""
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -11,7 +12,7 @@ import pytest
 
 import gdn_ext
 from gdn_ext import _core, ufuncs
-from helpers import run_python
+from helpers import run_python, warns_unstable
 
 U = ufuncs
 
@@ -203,7 +204,10 @@ def test_overflow_in_any_pair_reaches_errstate(threads, where, backward):
     messages = [str(x.message) for x in w]
     assert any(m.startswith("overflow encountered") for m in messages), messages
     assert all(x.filename == __file__ for x in w), [x.filename for x in w]
-    with np.errstate(over="raise", invalid="ignore"), pytest.raises(FloatingPointError):
+    # keys of norm about 2 (beta ||k||^2 above 2, which the value check says) carry v's 1e308 past
+    # the largest double
+    with pytest.raises(FloatingPointError), warns_unstable(), \
+            np.errstate(over="raise", invalid="ignore"):
         call()
 
 
@@ -419,7 +423,9 @@ def test_unusual_values_warn_at_the_callers_line(bad, words, api):
         kw = {n: a[:, 0] for n, a in kw.items()}
         return gdn_ext.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], **kw, state=None, **extra)
 
-    with pytest.warns(UserWarning, match=words.replace("[", r"\[").replace("]", r"\]")) as w:
+    # beta = 2.5 with unit keys is also outside the delta rule's stable range: that warning too
+    with (warns_unstable() if bad.get("beta", 0) > 2 else contextlib.nullcontext()), \
+            pytest.warns(UserWarning, match=words.replace("[", r"\[").replace("]", r"\]")) as w:
         call()
     assert all(r.filename == __file__ for r in w.list)
     with warnings.catch_warnings():

@@ -48,8 +48,9 @@ def test_matches_the_reference(variant, normalize_qk, dtype):
     for name, a, b in zip(g._fields, g, g_r):
         np.testing.assert_allclose(a, b, rtol=10 * tol, atol=10 * tol * np.abs(b).max(),
                                    err_msg=name)
-    # the delta rule gives other numbers on the same inputs (the flag does something)
-    o_delta, _ = gdn_ext.gated_delta_rule(q, k, v, **dict(kw, delta_rule=True))
+    # the delta rule gives other numbers on the same inputs (the flag does something); keys
+    # drawn for linear attention are not scaled for it, which its value check would say
+    o_delta, _ = gdn_ext.gated_delta_rule(q, k, v, **dict(kw, delta_rule=True), check_values=False)
     assert np.abs(o_delta - o).max() > 1e-3
 
 

@@ -19,7 +19,9 @@ import gdn_ext.dask as gd  # noqa: E402
 
 def _inputs(rng, B=4, T=20, H=2, G=2, Dk=5, Dv=3, dtype=np.float32, per_key=False):
     HV = H * G
-    x = dict(q=rng.standard_normal((B, T, H, Dk)), k=rng.standard_normal((B, T, H, Dk)),
+    k = rng.standard_normal((B, T, H, Dk))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)   # unit keys: beta ||k||^2 <= 1
+    x = dict(q=rng.standard_normal((B, T, H, Dk)), k=k,
              v=rng.standard_normal((B, T, HV, Dv)), beta=rng.uniform(0, 1, (B, T, HV)),
              g=np.log(rng.uniform(0.5, 1, (B, T, HV, Dk) if per_key else (B, T, HV))),
              initial_state=rng.standard_normal((B, HV, Dv, Dk)))
