@@ -971,6 +971,25 @@ static PyObject *py_fma_peak(PyObject *self, PyObject *args)
     return PyFloat_FromDouble(r);
 }
 
+static PyObject *py_mm_rate(PyObject *self, PyObject *args)
+{
+    int use_double = 0;
+    Py_ssize_t m, n, k;
+    double seconds = 0.2;
+    if (!PyArg_ParseTuple(args, "pnnn|d", &use_double, &m, &n, &k, &seconds)) return NULL;
+    if (m < 1 || n < 1 || k < 1 || m > 4096 || n > 4096 || k > 4096 || !(seconds > 0 && seconds < 60)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "mm_rate: m, n, k must be in [1, 4096], seconds in (0, 60)");
+        return NULL;
+    }
+    double r;
+    Py_BEGIN_ALLOW_THREADS
+    r = gdn_mm_rate(use_double, m, n, k, seconds);
+    Py_END_ALLOW_THREADS
+    if (r < 0) return PyErr_NoMemory();
+    return PyFloat_FromDouble(r);
+}
+
 static PyObject *py_busy_cap(PyObject *self, PyObject *args)
 {
     /* _busy_cap() -> cap; _busy_cap(nt, late, total[, nlate]) reports a call first (for tests) */
@@ -998,6 +1017,10 @@ static PyMethodDef methods[] = {
      "fma_peak(float64: bool, threads: int, seconds=0.2) -> GFLOP/s: the multiply-add ceiling of\n"
      "the kernels' instruction set (isa()) on `threads` threads (0: OpenMP's default), from\n"
      "independent vector FMA chains; a multiply-add counts 2 floating-point operations."},
+    {"mm_rate", py_mm_rate, METH_VARARGS,
+     "mm_rate(float64: bool, m: int, n: int, k: int, seconds=0.2) -> GFLOP/s of the chunk form's\n"
+     "matrix product C[m, n] += A[m, k] B[k, n] (the kernels' own inner loops, instruction set\n"
+     "isa(), one thread), m, n, k in [1, 4096]; a multiply-add counts 2 floating-point operations."},
     {"openmp_enabled", py_openmp_enabled, METH_NOARGS,
      "openmp_enabled() -> bool: whether this build runs the (sequence, head) loop with OpenMP."},
     {"isa", py_isa, METH_NOARGS,

@@ -329,6 +329,10 @@ ptrdiff_t gdn_chunk_bwd_items(const gdn_sizes *sz);   /* work items: pairs times
  * 2) of independent vector FMA chains on num_threads threads (0: OpenMP's default), float32 or
  * float64, timed over about `seconds`. What the bench divides kernel rates by. */
 double gdn_fma_peak(int use_double, int num_threads, double seconds);
+/* The rate of the chunk form's own matrix product, Cm [m, n] += Am [m, kd] Bm [kd, n] with the
+ * chunk buffers' layouts, on the calling thread: GFLOP/s (2 m n kd a product), timed over about
+ * `seconds`; -1 without memory. Beside gdn_fma_peak: how close the inner loops come to it. */
+double gdn_mm_rate(int use_double, ptrdiff_t m, ptrdiff_t n, ptrdiff_t kd, double seconds);
 double gdn_now(void);   /* seconds, wall clock */
 
 #endif /* GDN_H */

@@ -287,7 +287,11 @@ int gdn_openmp_enabled(void)
     double gdn_fma_probe_f32_##isa(long iters, float m, float c);                                \
     int gdn_fma_lanes_f64_##isa(void);                                                           \
     int gdn_fma_lanes_f32_##isa(void);                                                           \
-    size_t gdn_chunk_ws_f64_##isa(ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv, int bwd, ptrdiff_t nt);
+    size_t gdn_chunk_ws_f64_##isa(ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv, int bwd, ptrdiff_t nt); \
+    size_t gdn_mm_probe_len_f64_##isa(ptrdiff_t m, ptrdiff_t n, ptrdiff_t kd);                    \
+    size_t gdn_mm_probe_len_f32_##isa(ptrdiff_t m, ptrdiff_t n, ptrdiff_t kd);                    \
+    double gdn_mm_probe_f64_##isa(double *w, ptrdiff_t m, ptrdiff_t n, ptrdiff_t kd, long reps);   \
+    double gdn_mm_probe_f32_##isa(float *w, ptrdiff_t m, ptrdiff_t n, ptrdiff_t kd, long reps);
 GDN_DECLARE_ISA(generic)
 void gdn_forward_f32_generic(const gdn_fwd_call *call);    /* gdn_kernels.c (portable) */
 void gdn_forward_f64_generic(const gdn_fwd_call *call);
@@ -510,6 +514,34 @@ double gdn_fma_peak(int use_double, int num_threads, double seconds)
         const double rate = 2.0 * lanes * (double)iters * nt / dt / 1e9;
         if (rate > best) best = rate;
     }
+    return sink == 12345.678 ? -best : best;   /* sink is live; never equal in practice */
+}
+
+double gdn_mm_rate(int use_double, ptrdiff_t m, ptrdiff_t n, ptrdiff_t kd, double seconds)
+{
+    /* as gdn_fma_peak: calibrate the repetitions, then the best of three timings */
+    const size_t len = use_double ? GDN_DISPATCH_RET(gdn_mm_probe_len_f64, m, n, kd)
+                                  : GDN_DISPATCH_RET(gdn_mm_probe_len_f32, m, n, kd);
+    const size_t es = use_double ? sizeof(double) : sizeof(float);
+    void *block = malloc(len * es + 64);
+    if (block == NULL) return -1;
+    void *w = (void *)(((uintptr_t)block + 63) / 64 * 64);   /* whole vectors from the start */
+    double sink = 0, best = 0;
+    long reps = 1;
+    for (int timed = 0; timed < 3;) {
+        const double t0 = gdn_now();
+        sink += use_double ? GDN_DISPATCH_RET(gdn_mm_probe_f64, (double *)w, m, n, kd, reps)
+                           : GDN_DISPATCH_RET(gdn_mm_probe_f32, (float *)w, m, n, kd, reps);
+        const double dt = gdn_now() - t0;
+        if (dt < seconds / 4 && reps < (1L << 40)) {
+            reps *= 4;
+            continue;
+        }
+        const double rate = 2.0 * (double)m * (double)n * (double)kd * (double)reps / dt / 1e9;
+        if (rate > best) best = rate;
+        timed++;
+    }
+    free(block);
     return sink == 12345.678 ? -best : best;   /* sink is live; never equal in practice */
 }
 

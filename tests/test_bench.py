@@ -50,6 +50,9 @@ def test_bench_targets_rows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "backward with checkpoints / forward" in out and "decode step in place" in out
     assert "decode step into out= / in place" in out
+    chunk_rows = json.loads((tmp_path / "t.json").read_text())["chunk_targets"]["rows"]
+    assert {r["target"] for r in chunk_rows} >= {"P", "C3", "C4", "C5"}
+    assert sum(r["target"] == "P" for r in chunk_rows) == 4   # 2 products x 2 dtypes
     res = json.loads((tmp_path / "t.json").read_text())
     if importlib.util.find_spec("torch") is not None:   # one layer's training speed, both dtypes
         tp = res["training_throughput"]
@@ -58,3 +61,16 @@ def test_bench_targets_rows(tmp_path, capsys):
                    and np.isclose(r["tokens_per_s_per_core"] * r["threads"], r["tokens_per_s"])
                    for r in tp)
         assert "tokens/s per core" in out
+
+
+def test_mm_rate_takes_sizes_and_refuses_bad_ones():
+    """The chunk products' rate probe behind the bench's "P" rows: a positive GFLOP/s for any
+    size in range, a ValueError naming it for the rest."""
+    from gdn_ext import _core
+    for dt in (False, True):
+        assert _core.mm_rate(dt, 5, 19, 3, 0.01) > 0     # edges: a tile's rows, a vector's tail
+    for bad in ((0, 16, 8), (8, 0, 8), (8, 16, 0), (8, 16, 5000)):
+        with pytest.raises(ValueError, match="mm_rate: m, n, k"):
+            _core.mm_rate(False, *bad, 0.01)
+    with pytest.raises(ValueError, match="seconds"):
+        _core.mm_rate(True, 8, 8, 8, 0.0)

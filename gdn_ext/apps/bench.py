@@ -584,7 +584,8 @@ def chunk_targets(threads=None, repeat=5, T=2048, BH=4, D=128, many_BH=64, few=(
     """The chunk form's targets, each a ratio measured in this run (alternated rounds): C1 a
     training step through gdn_ext.torch (forward + backward, scalar gate, 1 thread), the
     recurrence's time over the chunk form's, float32 and float64; C2 transformers' chunked
-    fallback over gdn_ext.torch ("auto"), forward + backward, on 1 and all threads; C3 the
+    fallback over gdn_ext.torch ("auto"), forward + backward, on 1 and all threads; P the
+    chunk form's large matrix products against the FMA peak (one thread); C3 the
     forward ("auto") against the FMA peak counting the recurrent 7 Dk Dv flops per token, on 1
     thread (B*H = ``BH``) and on default threads (B*H = ``many_BH``); C4 one sequence's speed-up
     on all threads (B = 1, H = 4, T = few[0]) and on 2 (B = H = 1, T = few[1]); C5 the float64
@@ -633,6 +634,7 @@ def chunk_targets(threads=None, repeat=5, T=2048, BH=4, D=128, many_BH=64, few=(
                         a / b, ">= 7" if nt == 1 else ">= 15")
         torch.set_num_threads(threads)
     peak1 = _core.fma_peak(False, 1, 0.3)
+    _product_rows(rows, log, D, peak1)
     x = _inputs(1, T, BH, D, np.float32)
     fwd = _gdn_calls(x, 1, check_values=False)[0]
     rec = _gdn_calls(x, 1, check_values=False, algorithm="recurrent")[0]
@@ -662,6 +664,18 @@ def chunk_targets(threads=None, repeat=5, T=2048, BH=4, D=128, many_BH=64, few=(
     _target_row(rows, log, "C5", "float64 chunk vs recurrent, max relative difference", worst,
                 "<= 1e-12", "")
     return dict(threads=threads, T=T, BH=BH, D=D, rows=rows)
+
+
+def _product_rows(rows, log, D, peak32):
+    """The chunk form's two large products per chunk of C tokens (C = the default chunk size):
+    Q H ([C, D] by [D, D]) and the state update K^T V' ([D, C] by [C, D]), through the kernels'
+    own inner loops on one thread, as fractions of the FMA probe of the same dtype."""
+    from gdn_ext._algorithm import DEFAULT_CHUNK_SIZE as C
+    for dt, peak in ((np.float32, peak32), (np.float64, _core.fma_peak(True, 1, 0.3))):
+        for name, (m, n, k) in (("Q H", (C, D, D)), ("K^T V'", (D, D, C))):
+            rate = _core.mm_rate(dt == np.float64, m, n, k, 0.1)
+            _target_row(rows, log, "P", f"chunk product {name} {m}x{k} by {k}x{n} / FMA peak, "
+                        f"{np.dtype(dt).name}", rate / peak, ">= 0.8", "peak")
 
 
 def training_throughput(threads=None, heads=(16, 32), T=4096, D=128, repeat=3, log=print):
