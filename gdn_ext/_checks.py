@@ -60,10 +60,29 @@ def fmt(shape):
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
+_STATE_AXES = {("Dv", "Dk"): "flash-linear-attention keeps a state as [..., K, V]",
+               ("V", "K"): "flash-linear-attention's default is [..., K, V]",
+               ("K", "V"): "the [..., V, K] layout is gdn_ext's own: state_v_first=True takes it"}
+
+
+def transposed_state_hint(got, shape, names):
+    """The end of a shape error for a state given with its last two axes swapped (the other
+    layout of the state, [.., Dk, Dv] against [.., Dv, Dk]): '' when that is not the mistake."""
+    axes = tuple(x.strip() for x in names.split("]")[0].strip("[ ").split(","))[-2:]
+    got, shape = tuple(got), tuple(shape)
+    if (axes not in _STATE_AXES or len(shape) < 2 or shape[-1] == shape[-2]
+            or got != shape[:-2] + (shape[-1], shape[-2])):
+        return ""
+    return (f"; that is the transpose of the expected [..., {axes[0]}, {axes[1]}] "
+            f"({_STATE_AXES[axes]}): swap its last two axes (.swapaxes(-1, -2), or "
+            f".transpose(-1, -2) for a tensor)")
+
+
 def expect_shape(a, name, shape, names):
     """Raise ValueError unless ``a.shape == shape``; ``names`` spells the expected shape."""
     if a.shape != tuple(shape):
-        raise ValueError(f"{name} must have shape {names} = {fmt(shape)}; got {fmt(a.shape)}")
+        raise ValueError(f"{name} must have shape {names} = {fmt(shape)}; got {fmt(a.shape)}"
+                         + transposed_state_hint(a.shape, shape, names))
 
 
 def real_scalar(x, name):

@@ -36,7 +36,8 @@ SHAPE_CASES = [
     # ([:, :, :1] broadcasts: one gate for every head)
     ("alpha", lambda x: x["alpha"][:, :, :2], ["alpha", "[B, T, H] = [2, 5, 3]"]),
     ("initial_state", lambda x: np.swapaxes(x["initial_state"], -1, -2),
-     ["initial_state", "[B, H, Dv, Dk] = [2, 3, 6, 4]"]),
+     ["initial_state", "[B, H, Dv, Dk] = [2, 3, 6, 4]", "transpose of the expected",
+      "flash-linear-attention keeps a state as [..., K, V]", "swapaxes(-1, -2)"]),
     ("initial_state", lambda x: x["initial_state"][0], ["initial_state", "[B, H, Dv, Dk]"]),
 ]
 
@@ -62,8 +63,23 @@ def test_single_head_form_messages(good):
 def test_do_and_dS_T_shapes(good):
     with pytest.raises(ValueError, match=re.escape("do must have shape [B, T, H, Dv]")):
         call(good, backward=True, do=np.zeros((2, 5, 3, 5)))
-    with pytest.raises(ValueError, match=re.escape("dS_T must have shape [B, H, Dv, Dk]")):
+    with pytest.raises(ValueError, match=re.escape("dS_T must have shape [B, H, Dv, Dk]")
+                       + ".*transpose of the expected"):
         call(good, backward=True, dS_T=np.zeros((2, 3, 4, 6)))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (2, 3, 6, 6), (3, 2, 4, 6), (2, 3, 4)])
+def test_a_wrong_state_that_is_no_transpose_gets_no_transpose_hint(good, shape):
+    with pytest.raises(ValueError, match="initial_state must have shape") as info:
+        call(dict(good, initial_state=np.zeros(shape)))
+    assert "transpose" not in str(info.value)
+
+
+def test_a_square_state_gets_no_transpose_hint():
+    sq = make_inputs(np.random.default_rng(62), 2, 5, 3, 4, 4)   # Dk = Dv: either layout fits
+    with pytest.raises(ValueError) as info:
+        call(dict(sq, initial_state=np.zeros((2, 3, 4, 5))))
+    assert "transpose" not in str(info.value)
 
 
 @pytest.mark.parametrize("backward", [False, True])

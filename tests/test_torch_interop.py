@@ -370,8 +370,12 @@ def test_value_first_state_layout(dropin, name, KV):
     torch.testing.assert_close(ht, ht_t.transpose(-1, -2), rtol=1e-10, atol=1e-10)
     if K != V:   # the fla layout given where V-first is asked for: named in their layout
         with pytest.raises(ValueError, match=rf"initial_state must have shape \[N, HV, V, K\] = "
-                                             rf"\[2, 4, {V}, {K}\]; got \[2, 4, {K}, {V}\]"):
+                                             rf"\[2, 4, {V}, {K}\]; got \[2, 4, {K}, {V}\]; "
+                                             rf"that is the transpose"):
             fn(q, k, v, g=gl, beta=beta, initial_state=h0, state_v_first=True)
+        with pytest.raises(ValueError, match=r"shape \[N, HV, K, V\].*transpose.*"
+                                             r"state_v_first=True takes it"):
+            fn(q, k, v, g=gl, beta=beta, initial_state=h0.transpose(-1, -2))
 
 
 def test_unknown_keywords_raise_and_tuning_keywords_pass():

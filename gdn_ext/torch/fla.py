@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._checks import flag
+from .._checks import flag, transposed_state_hint
 from .._problem import packed_sequences
 from ._inputs import cast, check_float, compute_dtype, input_dtype
 from .function import cu_tensor, gated_delta_rule, warn_unusual
@@ -46,7 +46,8 @@ def _expect(t, name, shape, layout):
     _tensor(t, name)
     if tuple(t.shape) != tuple(shape):
         want = "[" + ", ".join(str(s) for s in shape) + "]"
-        raise ValueError(f"{name} must have shape {layout} = {want}; got {_shape(t)}")
+        raise ValueError(f"{name} must have shape {layout} = {want}; got {_shape(t)}"
+                         + transposed_state_hint(t.shape, shape, layout))
 
 
 def _fla_call(q, k, v, g, gk, beta, scale, initial_state, output_final_state,
