@@ -350,8 +350,8 @@ class Report:
 def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progress=False,
         name=None, on_row=None, forward_only=False) -> Report:
     """Run the suite on ``fn``; returns a :class:`Report` (``report.passed``,
-    ``report.table()``, ``report.rows``); ``on_row(row)`` is called as each case ends. Needs
-    torch.
+    ``report.table()``, ``report.rows``); ``on_row(row)`` is called as each case ends;
+    ``progress``: a progress bar on stderr (tqdm) when stderr is a terminal. Needs torch.
 
     Every case compares the gradients of all inputs too: a target whose outputs carry no
     gradients (detached, or a backward that raises NotImplementedError) fails, unless
@@ -387,7 +387,7 @@ def run(fn, convention="fla", dtype="float32", device="cpu", cases=None, progres
     if progress:
         try:
             from tqdm import tqdm
-            it = tqdm(cases, unit="case", file=sys.stderr)
+            it = tqdm(cases, unit="case", file=sys.stderr, disable=None)   # terminals only
         except ImportError:
             pass
     rows = []

@@ -17,6 +17,16 @@ def test_loss_falls_on_a_tiny_run():
     assert res["sample"].startswith("The ") and len(res["sample"]) == 4 + 20
 
 
+def test_no_progress_bar_when_stderr_is_not_a_terminal(capsys):
+    """A log file (stderr redirected) gets no progress bar, though one was asked for."""
+    pytest.importorskip("tqdm")
+    train.train(lm.load_text()[:20_000], steps=3, d_model=16, n_layers=1, n_heads=1, d_head=8,
+                batch=2, seq_len=16, eval_every=3, sample_len=4, progress=True,
+                log=lambda *a: None)
+    err = capsys.readouterr().err
+    assert "step/s" not in err and "%|" not in err, err[:200]
+
+
 def test_unigram_baseline_and_cross_entropy():
     ids = np.array([0, 0, 1, 2])
     # add-one smoothed frequencies of train = [2+1, 1+1, 1+1] / 7

@@ -29,7 +29,8 @@ def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=
           log=print, rule="gated_delta"):
     """Train and evaluate; returns a dict of results (losses, baseline, sample, speed).
 
-    Loss unit: nats per character (mean cross-entropy of the next character)."""
+    Loss unit: nats per character (mean cross-entropy of the next character). ``progress``: a
+    progress bar on stderr (tqdm) when stderr is a terminal."""
     vocab = CharVocab(text)
     ids = vocab.encode(text)
     n_train = int(0.9 * len(ids))
@@ -58,7 +59,8 @@ def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=
     history = {"step": [], "train": [], "val_step": [], "val": []}
     try:
         from tqdm import tqdm
-        bar = tqdm(range(steps), disable=not progress, unit="step", file=sys.stderr)
+        # disable=None: no bar when stderr is not a terminal (a log file would fill with it)
+        bar = tqdm(range(steps), disable=None if progress else True, unit="step", file=sys.stderr)
     except ImportError:  # the apps extra brings it; without it, no bar
         bar = range(steps)
     t0 = time.perf_counter()
