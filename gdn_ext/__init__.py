@@ -1,8 +1,8 @@
 """gdn_ext: Gated DeltaNet on the CPU.
 
 The gated delta rule recurrence and its backward pass over time in C (NumPy generalized ufuncs,
-OpenMP over batch and heads), a pure-NumPy reference of the design note's loop, checked Python
-entry points, and the design note's layer (gdn_ext.layer) with its backward and token stepping.
+OpenMP over batch and heads), a pure-NumPy reference loop, checked Python
+entry points, and a whole Gated DeltaNet layer (gdn_ext.layer) with its backward and token stepping.
 ``python -m gdn_ext`` trains a small character-level language model made of these layers.
 
     o, S_T = gdn_ext.gated_delta_rule(q, k, v, beta=beta, alpha=alpha)

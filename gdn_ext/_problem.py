@@ -154,7 +154,7 @@ class _Problem:
                            lambda: n.lay("B", "Dv") if sh else n.lay("B", "HV", "Dv"))
             beta = _with_axis(beta, 1, "beta", lambda: "[B]" if sh else "[B, HV]")
             gate = _with_axis(gate, 1, self.gate_name, lambda: "[B]" if sh else "[B, HV]")
-        if sh:       # the design note's single-head form is H = HV = 1
+        if sh:       # the single-head form is H = HV = 1
             q = q[:, :, None]
             k = _with_axis(k, 2, n.k, lambda: n.lay("B", "T", "Dk"))
             v = _with_axis(v, 2, n.v, lambda: n.lay("B", "T", "Dv"))

@@ -1,6 +1,6 @@
-"""The design note's Gated DeltaNet layer in NumPy, its backward, and token-by-token stepping.
+"""A Gated DeltaNet layer in NumPy, its backward, and token-by-token stepping.
 
-Mirrors the design note's ``gated_deltanet_forward`` line by line::
+``gated_deltanet_forward``, line by line::
 
     h    = rmsnorm(x)                                  x [B, T, D]
     q    = h Wq,  k = h Wk,  v = h Wv                  [B, T, H, Dk] / [B, T, H, Dv]
@@ -8,7 +8,7 @@ Mirrors the design note's ``gated_deltanet_forward`` line by line::
     O, S = recurrence(q, k, v, alpha=gate, beta=eta)   in C (gdn_ext.gated_delta_rule)
     y    = x + O Wo
 
-with heads, and an option (off by default, as in the design note) to L2-normalise q and k the way
+with heads, and an option (off by default: the layer's simplest form) to L2-normalise q and k the way
 the paper's layer does (``x / sqrt(sum x^2 + 1e-6)``), which keeps the delta rule stable.
 The backward is written out by hand in NumPy; the recurrence's backward is the C kernel.
 
@@ -30,7 +30,7 @@ from ._results import LayerCache, LayerGrads, LayerStepResult
 from .recurrence import (_train_backward, _train_forward, gated_delta_rule,
                          gated_delta_rule_backward, gated_delta_rule_step)
 
-# The rule family by name: (gated, delta_rule). The design note's lesson in order: linear
+# The rule family by name: (gated, delta_rule), in the order the tutorials build it: linear
 # attention, then the delta rule (DeltaNet), then gating (Mamba2's forget gate), then both.
 RULES = {"linear": (False, False), "delta": (False, True), "gated_linear": (True, False),
          "gated_delta": (True, True)}
@@ -42,7 +42,7 @@ __all__ = ["RULES", "GatedDeltaNetParams", "LayerCache", "rmsnorm", "rmsnorm_bac
 
 @dataclass(repr=False)
 class GatedDeltaNetParams:
-    """Weights of one Gated DeltaNet layer (the design note's ``params``).
+    """Weights of one Gated DeltaNet layer (``params`` of ``gated_deltanet_forward``).
 
     Fields (D = d_model, H = n_heads, Dk = d_key, Dv = d_value; rows index the input):
         Wq [D, H*Dk], Wk [D, H*Dk], Wv [D, H*Dv]  query / key / value projections
@@ -285,7 +285,7 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
                            chunk_size: Optional[int] = None, return_cache: bool = False,
                            ) -> Union[Tuple[NDArray[Any], NDArray[Any]],
                                       Tuple[NDArray[Any], NDArray[Any], LayerCache]]:
-    """The design note's Gated DeltaNet layer: ``y, S_T = gated_deltanet_forward(x, S, params)``.
+    """One Gated DeltaNet layer: ``y, S_T = gated_deltanet_forward(x, S, params)``.
 
     Parameters
     ----------
@@ -293,7 +293,7 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
     S : array [B, H, Dv, Dk] or None (zeros): the recurrent state entering the layer.
     params : GatedDeltaNetParams
     normalize_qk : bool, default False
-        L2-normalise q and k before the recurrence (the paper's layer; the design note has none).
+        L2-normalise q and k before the recurrence (the paper's layer; the simplest form has none).
     scale : float, default 1.0
         Read-out scale of the recurrence.
     num_threads : int or None
@@ -326,7 +326,7 @@ def gated_deltanet_forward(x: ArrayLike, S: Optional[ArrayLike], params: GatedDe
     ValueError, TypeError
         x or S of the wrong shape or dtype, params whose shapes do not fit together.
 
-    Source: the design note's ``gated_deltanet_forward``; Yang, Kautz, Hatamizadeh, ICLR 2025.
+    Source: Yang, Kautz, Hatamizadeh, ICLR 2025, sec. 3 (the layer without its convolutions and output gate).
     """
     x, S = _check(x, S, params)
     normalize_qk = flag(normalize_qk, "normalize_qk")

@@ -149,19 +149,19 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     Parameters
     ----------
     q, k : array [B, T, H, Dk]
-        Queries and keys (H query/key heads). The design note's single-head form, [B, T, Dk], is
+        Queries and keys (H query/key heads). The single-head form, [B, T, Dk], is
         accepted too, and then every result is returned in that form.
     v : array [B, T, HV, Dv]  (single-head: [B, T, Dv])
         Values. HV must be a multiple of H: value head hv reads query/key head hv // (HV / H)
         (grouped order, as flash-linear-attention and transformers); HV = H is the usual case.
     beta : array [B, T, HV]  (single-head: [B, T] or [B, T, 1]), or a scalar, keyword-only
-        Write strength (the design note's ``eta``), usually in [0, 1]. A scalar or any array
+        Write strength (``eta`` in :mod:`gdn_ext.layer`), usually in [0, 1]. A scalar or any array
         that broadcasts to [B, T, HV] by NumPy's rules (aligned at the right: [HV] one per
         head, [B, 1, 1] one per sequence) is broadcast; its gradient comes back in the shape
         given. Python numbers do not change the computation's dtype.
     alpha : array [B, T, HV] or [B, T, HV, Dk]  (single-head: [B, T], [B, T, 1] or [B, T, Dk])
-        Decay, the fraction of the old state kept at each step, in [0, 1] (the design note's
-        ``gate``): one per head, or one per key channel (D_t = diag(alpha_t), the gating of Gated
+        Decay, the fraction of the old state kept at each step, in [0, 1] (``gate`` in
+        :mod:`gdn_ext.layer`): one per head, or one per key channel (D_t = diag(alpha_t), the gating of Gated
         Linear Attention and Kimi Delta Attention). The shape picks the variant. Exactly one of
         ``alpha`` and ``g`` must be given. Broadcasts as beta does (``alpha=1.0``: no decay, the
         delta rule of DeltaNet); an array with one dimension more than [B, T, HV] broadcasts to
@@ -172,7 +172,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
         S_0; zeros when None. Rows index the value dimension, columns the key dimension
         (the transpose of flash-linear-attention's [.., Dk, Dv]).
     scale : float, default 1.0
-        Read-out scale s (finite). The design note has none; flash-linear-attention uses Dk**-0.5.
+        Read-out scale s (finite). The paper's recurrence has none; flash-linear-attention uses Dk**-0.5.
     output_final_state : bool, default True
         Return S_T; when False the second result is None.
     num_threads : int or None

@@ -1,9 +1,9 @@
 """The gated delta rule in plain NumPy, step by step: the teaching version and the tests' oracle.
 
-It follows the reference loop of the design note gdn_ext started from (a single-head PyTorch loop)
-with its names -- ``batch_matvec``, ``batch_outer``, ``gate_memory`` -- and adds the backward pass
-over time (user guide, "The backward pass") written the same way, plus what real models need: gates
-per key channel, grouped value heads, L2-normalised q and k, and packed variable-length batches.
+One token at a time, in three small helpers (``batch_matvec``, ``batch_outer``, ``gate_memory``),
+with the backward pass over time (user guide, "The backward pass") written the same way, and
+what real models need: gates per key channel, grouped value heads, L2-normalised q and k, and
+packed variable-length batches.
 Slow (a Python loop over time) and memory-hungry (the backward keeps every state, grouped heads
 copy q and k): use :func:`gdn_ext.gated_delta_rule` for real work.
 
@@ -46,7 +46,7 @@ def gate_memory(S: np.ndarray, gate: np.ndarray) -> np.ndarray:
     """The gate applied to the state, S D: S [..., Dv, Dk] times a scalar gate [...] or, per key
     channel, times gate [..., Dk] along the columns (D = diag(gate)).
 
-    (The design note writes ``S * gate[:, None, None]`` for a gate of shape [B, 1], which would
+    (Written ``S * gate[:, None, None]`` for a gate of shape [B, 1], this would
     broadcast to [B, B, Dv, Dk] when B > 1; here the gate has one number per state.)"""
     if gate.ndim == S.ndim - 1:
         return S * gate[..., None, :]
@@ -88,7 +88,7 @@ def _as_multihead(q, k, v, beta, gate, state, arrays_dtype):
 
 
 def _forward_loop(q, k, v, beta, alpha, S_cur, scale, delta_rule=True):
-    """The design note's loop, with heads: q, k [B, T, H, Dk] (one query/key per value head),
+    """The reference loop, with heads: q, k [B, T, H, Dk] (one query/key per value head),
     v [B, T, H, Dv], beta [B, T, H], alpha [B, T, H] or [B, T, H, Dk], S_cur [B, H, Dv, Dk].
     delta_rule=False: linear attention's write, v_t itself instead of the correction."""
     outputs = []
@@ -181,7 +181,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                      initial_state: Optional[ArrayLike] = None, scale: float = 1.0,
                      normalize_qk: bool = False, cu_seqlens: Optional[ArrayLike] = None,
                      delta_rule: bool = True) -> GatedDeltaRuleOutput:
-    """Forward loop of the design note, generalised. Returns (o, S_T) shaped as
+    """The reference forward loop, generalised. Returns (o, S_T) shaped as
     :func:`gdn_ext.gated_delta_rule` returns them; ``delta_rule=False`` writes
     ``beta_t v_t k_t^T`` (linear attention, gated or not) instead of the delta rule's
     correction."""

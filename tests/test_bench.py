@@ -37,7 +37,7 @@ def test_bench_rows_include_the_peers(capsys):
     pytest.importorskip("torch")
     bench.main(["--quick"])
     out = capsys.readouterr().out
-    assert "design-note loop in torch, forward" in out
+    assert "reference loop in torch, forward" in out
 
 
 def test_bench_targets_rows(tmp_path, capsys):

@@ -210,3 +210,23 @@ def test_a_warning_at_a_tests_line_fails_the_run(request):
     q = np.full((1, 4, 1, 3), 2.0)                     # ||k||^2 = 12: outside the stable range
     with pytest.raises(UserWarning, match="beta"):
         gdn_ext.gated_delta_rule(q, q, q, beta=np.full((1, 4, 1), 0.5), alpha=np.ones((1, 4, 1)))
+
+
+def test_the_docs_stand_without_the_design_note():
+    """The design note the project started from is not shipped: the pages, the notebooks and the
+    package's docstrings and messages name each lesson by its content, and the note itself comes up
+    in one place only, the user guide's "Where the names come from"."""
+    import json
+    texts = {p: p.read_text(encoding="utf-8") for p in _pages()}
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+        texts[nb] = "\n".join("".join(c["source"]) for c in cells)
+    for src in sorted((ROOT / "gdn_ext").rglob("*.py")):
+        texts[src] = src.read_text(encoding="utf-8")
+    home = ROOT / "docs" / "guide" / "recurrence.md"
+    if home in texts:   # its one section, cut out
+        texts[home] = re.sub(r"\n## Where the names come from\n.*?(?=\n## )", "", texts[home],
+                             flags=re.S)
+    found = [f"{p.relative_to(ROOT)}: ...{t[max(0, m.start() - 40):m.end() + 20]!r}..."
+             for p, t in texts.items() for m in re.finditer(r"design[ -]note", t, re.I)]
+    assert not found, "\n".join(found)

@@ -27,6 +27,15 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(capsys):
     assert "step/s" not in err and "%|" not in err, err[:200]
 
 
+def test_plot_title_names_the_rules_it_compares():
+    """--rule all draws four rules in one figure: its title names them all, not one."""
+    from gdn_ext.layer import RULES
+    assert train.plot_title([""]) == train.plot_title(["gated_delta"]) == "Gated DeltaNet"
+    everything = train.plot_title(list(RULES))
+    assert everything == "linear attention, DeltaNet, gated linear attention and Gated DeltaNet"
+    assert set(train.RULE_TITLES) == set(RULES)
+
+
 def test_unigram_baseline_and_cross_entropy():
     ids = np.array([0, 0, 1, 2])
     # add-one smoothed frequencies of train = [2+1, 1+1, 1+1] / 7

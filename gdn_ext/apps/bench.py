@@ -4,7 +4,7 @@ and the same number of threads.
 Rows (median of ``--repeat`` runs after one warm-up):
 - gdn_ext forward, backward and forward + backward, float32 and float64, for every variant of the
   kernels (scalar gate; per-key gate; grouped value heads; packed sequences; q/k normalisation);
-- the design note's loop written in PyTorch (torch ops per step), forward and autograd backward;
+- the reference loop written in PyTorch (torch ops per step), forward and autograd backward;
 - transformers' ``torch_chunk_gated_delta_rule`` and ``torch_recurrent_gated_delta_rule`` (when
   transformers is installed), forward and forward + backward through autograd;
 - ``gdn_ext.reference`` (NumPy loop) on a shorter sequence;
@@ -104,7 +104,7 @@ class Table:
 
 
 def _torch_rows(table, x, threads, repeat, torch_T):
-    """The design note's loop in torch and transformers' fallbacks, same inputs (first torch_T)."""
+    """The reference loop in torch and transformers' fallbacks, same inputs (first torch_T)."""
     try:
         import torch
     except ImportError:
@@ -127,9 +127,9 @@ def _torch_rows(table, x, threads, repeat, torch_T):
                                              beta=leaves["beta"], g=leaves["g"])
         o.sum().backward()
 
-    table.add("torch loop", f"design-note loop in torch, forward ({name}, T={T})",
+    table.add("torch loop", f"reference loop in torch, forward ({name}, T={T})",
               _timeit(loop_fwd, max(1, repeat // 2)), B * T)
-    table.add("torch loop", f"design-note loop in torch, fwd+bwd ({name}, T={T})",
+    table.add("torch loop", f"reference loop in torch, fwd+bwd ({name}, T={T})",
               _timeit(loop_both, max(1, repeat // 2)), B * T)
     try:
         import transformers.models.qwen3_next.modeling_qwen3_next as q3
@@ -395,7 +395,7 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
     res["backward_memory"] = mem
     log(f"\nbackward extra memory at T={memory_T} (float32): gdn_ext "
         f"{mem['gdn_ext_backward_extra_bytes'] / 2**20:.1f} MiB")
-    for key, label in (("torch_loop_saved_bytes", "design-note loop, torch autograd"),
+    for key, label in (("torch_loop_saved_bytes", "reference loop, torch autograd"),
                        ("transformers_chunk_saved_bytes", "transformers chunk, torch autograd")):
         if key in mem:
             log(f"  {label}: {mem[key] / 2**20:.1f} MiB saved for backward "

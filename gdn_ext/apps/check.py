@@ -2,7 +2,7 @@
 
 1. Central finite differences, element by element: (L(w + h) - L(w - h)) / 2h with h = 1e-6.
 2. When PyTorch is installed: torch autograd of the same layer written in torch ops
-   (:func:`torch_gated_deltanet_forward`, a port of the design note's code).
+   (:func:`torch_gated_deltanet_forward`, the reference layer in torch ops).
 
 L = sum(y * dy) + sum(S_T * dS_T) for random dy, dS_T, so every output and the final state count.
 Prints a table of the largest relative errors, max|got - want| / max|want|, and returns non-zero
@@ -24,7 +24,7 @@ TORCH_TOL = 1e-10  # same math, different summation order
 
 
 def torch_gated_deltanet_forward(x, S, params, normalize_qk=False, scale=1.0):
-    """The design note's layer in torch ops (autograd computes its backward), with heads.
+    """The Gated DeltaNet layer in torch ops (autograd computes its backward), with heads.
 
     x [B, T, D], S [B, H, Dv, Dk] (torch tensors), params: dict name -> tensor with the fields of
     GatedDeltaNetParams. Returns (y, S_T)."""
@@ -43,7 +43,7 @@ def torch_gated_deltanet_forward(x, S, params, normalize_qk=False, scale=1.0):
     v = (h @ params["Wv"]).reshape(B, T, H, -1)
     gate = torch.sigmoid(h @ params["Wg_state"])
     eta = torch.sigmoid(h @ params["Weta"])
-    # the design note's loop, in torch ops (gate_memory, batch_matvec, batch_outer per step)
+    # the reference loop, in torch ops (gate_memory, batch_matvec, batch_outer per step)
     O, S_T = reference_gated_delta_rule(q, k, v, beta=eta, alpha=gate, initial_state=S,
                                         scale=scale, normalize_qk=normalize_qk)
     return x + O.reshape(B, T, -1) @ params["Wo"], S_T

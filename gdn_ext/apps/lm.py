@@ -1,6 +1,6 @@
 """A small character-level language model built from Gated DeltaNet layers: the main job.
 
-embedding -> n_layers x (the design note's Gated DeltaNet layer) -> RMSNorm -> output head,
+embedding -> n_layers x (gdn_ext.layer's Gated DeltaNet layer) -> RMSNorm -> output head,
 forward and backward entirely in gdn_ext (recurrence in C, the rest in NumPy), trained with Adam.
 Text: the Python documentation topics that ship with the standard library (``pydoc_data``), or
 any UTF-8 file. Generation runs token by token with :func:`gdn_ext.layer.gated_deltanet_step`.

@@ -96,6 +96,17 @@ def train(text, steps=800, d_model=128, n_layers=3, n_heads=4, d_head=32, batch=
             "sample": vocab.decode(sample_ids)}
 
 
+RULE_TITLES = {"linear": "linear attention", "delta": "DeltaNet",
+               "gated_linear": "gated linear attention", "gated_delta": "Gated DeltaNet"}
+
+
+def plot_title(rules):
+    """The rules a plot compares, by their names in the literature ('' or None: Gated DeltaNet,
+    the default)."""
+    names = [RULE_TITLES.get(r or "gated_delta", r) for r in rules]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def plot(histories, baseline, path):
     """Save the training and validation loss curves to a PNG (needs matplotlib); histories: a
     history, or a dict of them by rule (one colour each)."""
@@ -120,7 +131,7 @@ def plot(histories, baseline, path):
     ax.axhline(baseline, color="gray", ls="--", label="unigram baseline")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / character)")
-    ax.set_title("gdn_ext: character-level Gated DeltaNet")
+    ax.set_title("gdn_ext: character-level language models, " + plot_title(list(histories)))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -24,7 +24,7 @@ Source of the math: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks:
 Improving Mamba2 with Delta Rule", ICLR 2025 (arXiv:2412.06464), section 3.
 
 Modules: ``_inputs`` (the dtype rule, the shapes of beta and the gates, the result's named
-tuple), ``function`` (the custom operators and their autograd), ``loop`` (the design note's loop
+tuple), ``function`` (the custom operators and their autograd), ``loop`` (the reference loop
 in torch ops, the reference), ``fla`` (the flash-linear-attention drop-ins), ``transformers`` (the
 transformers patch), ``modules`` (the whole Gated DeltaNet layer as an ``nn.Module``).
 """

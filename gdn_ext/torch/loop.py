@@ -1,4 +1,4 @@
-"""The design note's loop in plain torch ops: the autograd baseline gdn_ext's Function is checked
+"""The reference loop in plain torch ops: the autograd baseline gdn_ext's Function is checked
 against (any device, differentiable to any order)."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def reference_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
                                delta_rule: bool = True,
                                ) -> GatedDeltaRuleOutput:
-    """The design note's loop in plain torch ops, one token at a time: the autograd baseline.
+    """The reference loop in plain torch ops, one token at a time: the autograd baseline.
 
     Same arguments, shapes, broadcasting of beta and the gate, dtype rule and result as
     :func:`gdn_ext.torch.gated_delta_rule` (gdn_ext's conventions): float16 / bfloat16 tensors
