@@ -25,7 +25,12 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     for table in res["tables"].values():
         assert table["matmul_gflops"] > 0 and table["backward_over_forward"] > 0
         assert all(r["seconds"] > 0 for r in table["rows"])
-    assert [s["T"] for s in res["sweep_T"]] == [32, 64]
+    assert [s["T"] for s in res["sweep_T"]] == [256, 1024]
+    rows = [r for t in res["tables"].values() for r in t["rows"]]
+    assert all(r["runs"] >= 1 and r["spread"] >= 1.0 and r["noisy"] == (r["spread"] > bench.NOISY)
+               for r in rows)
+    assert all(r["runs"] == 3 for r in rows if r["group"] == "gdn_ext")   # quick: 3 runs each
+    assert "--quick: tiny sizes, a smoke test" in out
     assert [r["dtype"] for r in res["padded_batch"]] == ["float32", "float64"]
     assert all(r["forward_ratio"] > 0 and r["backward_ratio"] > 0 for r in res["padded_batch"])
     assert res["backward_memory"]["gdn_ext_backward_extra_bytes"] > 0

@@ -1,7 +1,8 @@
 """``python -m gdn_ext bench``: gdn_ext's speed next to its peers, in one process, on the same inputs
 and the same number of threads.
 
-Rows (median of ``--repeat`` runs after one warm-up):
+Rows (median of ``--repeat`` runs after one warm-up; a run repeats a short call until 2 ms have
+passed, and rows whose runs lie more than 1.5 x apart are marked noisy):
 - gdn_ext forward, backward and forward + backward, float32 and float64, for every variant of the
   kernels (scalar gate; per-key gate; grouped value heads; packed sequences; q/k normalisation);
 - the reference loop written in PyTorch (torch ops per step), forward and autograd backward;
@@ -44,14 +45,34 @@ from ._cli import positive_int
 __all__ = ["build_parser", "main", "run"]
 
 
+class Seconds(float):
+    """A median time with its spread: ``spread`` = slowest / fastest of the runs (1.0 for one
+    run); ``runs`` how many were timed."""
+    spread = 1.0
+    runs = 1
+
+
+NOISY = 1.5   # a row whose runs spread more than this (slowest / fastest) is marked as noise
+MIN_SAMPLE_S = 2e-3   # each timed run repeats the call until this much time has passed
+
+
 def _timeit(fn, repeat):
-    fn()                                               # warm-up
+    """The median over ``repeat`` timed runs after one warm-up, as a :class:`Seconds`. A call
+    shorter than MIN_SAMPLE_S is repeated within a run (the run's time per call counts), so that
+    tiny sizes are not single-call timer noise."""
+    t0 = time.perf_counter()
+    fn()                                               # warm-up (and how long one call takes)
+    first = time.perf_counter() - t0
+    inner = max(1, min(1000, int(MIN_SAMPLE_S / max(first, 1e-9))))
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
+    out = Seconds(statistics.median(times))
+    out.spread, out.runs = max(times) / min(times), len(times)
+    return out
 
 
 def _inputs(B, T, H, D, dtype, seed=0, HV=None, per_key=False):
@@ -97,9 +118,12 @@ class Table:
         gdn_ext kernel row; its "x peak" column is then GFLOP/s / peak."""
         flops = self.flops_per_token * tokens if flops is None else flops
         gflops = flops / seconds / 1e9
-        self.rows.append(dict(group=group, name=name, seconds=seconds, tokens=tokens,
+        spread = getattr(seconds, "spread", 1.0)
+        self.rows.append(dict(group=group, name=name, seconds=float(seconds), tokens=tokens,
                               tokens_per_s=tokens / seconds, gflops=gflops,
-                              fraction_of_peak=None if peak is None else gflops / peak))
+                              fraction_of_peak=None if peak is None else gflops / peak,
+                              runs=getattr(seconds, "runs", 1), spread=spread,
+                              noisy=spread > NOISY))
         return self.rows[-1]
 
 
@@ -272,7 +296,11 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
            "shape": dict(B=B, T=T, H=H, Dk=D, Dv=D), "threads": threads,
            "flop_convention": "7*Dk*Dv per token and value head (the forward's work), every row"}
     log(f"gdn_ext bench: B={B} T={T} H={H} Dk=Dv={D}, {threads} threads, kernels {_core.isa()}, "
-        f"median of {repeat}")
+        f"median of {repeat} runs of at least {MIN_SAMPLE_S * 1e3:g} ms each; rows whose runs "
+        f"spread more than {NOISY} x are marked noisy")
+    if quick:
+        log("--quick: tiny sizes, a smoke test of the benchmark itself; its times say little of "
+            "gdn_ext's speed at real sizes (run without --quick for that)")
     peak = {np.dtype(dt).name: {n: _core.fma_peak(dt == np.float64, n, 0.05 if quick else 0.3)
                                 for n in sorted({1, threads})} for dt in (np.float32, np.float64)}
     res["fma_peak_gflops"] = peak
@@ -340,8 +368,16 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
         res["sweep_T"].append(dict(T=Ts, forward_s=tf, backward_s=tb,
                                    forward_us_per_token=1e6 * tf / ntok,
                                    backward_us_per_token=1e6 * tb / ntok))
+        noisy = max(getattr(tf, "spread", 1.0), getattr(tb, "spread", 1.0)) > NOISY
         log(f"  T={Ts:>6}: forward {1e6 * tf / ntok:8.2f} us/token, backward "
-            f"{1e6 * tb / ntok:8.2f} us/token")
+            f"{1e6 * tb / ntok:8.2f} us/token" + ("  (noisy)" if noisy else ""))
+
+    sw = res["sweep_T"]
+    for a, b in zip(sw, sw[1:]):   # a call's fixed cost cancels: what each added token costs
+        ntok = (b["T"] - a["T"]) * (1 if quick else B)
+        df, db = (1e6 * (b[key] - a[key]) / ntok for key in ("forward_s", "backward_s"))
+        log(f"  T={a['T']} -> {b['T']}: each added token {df:8.2f} us forward, {db:8.2f} us "
+            f"backward (flat across the sweep: linear cost)")
 
     log("\nDk = Dv sweep (T as above; x peak: GFLOP/s over the multiply-add ceiling of the same "
         "threads)")
@@ -808,8 +844,10 @@ def _print_table(table, t_f, t_fb, ceiling, log):
         vs_f = per_tok / (t_f["seconds"] / t_f["tokens"])
         vs_fb = per_tok / (t_fb["seconds"] / t_fb["tokens"])
         fp = "" if r["fraction_of_peak"] is None else f"{r['fraction_of_peak']:.2f}"
+        note = f"  noisy: runs {r['spread']:.1f} x apart" if r.get("noisy") else ""
         log(f"{r['name']:<74}{1e3 * r['seconds']:>8.1f}ms{r['tokens_per_s']:>12,.0f}"
-            f"{r['gflops']:>9.1f}{fp:>8}{r['gflops'] / ceiling:>10.2f}{vs_f:>26.2f}x{vs_fb:>8.2f}x")
+            f"{r['gflops']:>9.1f}{fp:>8}{r['gflops'] / ceiling:>10.2f}{vs_f:>26.2f}x{vs_fb:>8.2f}x"
+            f"{note}")
 
 
 def plot(res, path):
@@ -852,7 +890,9 @@ def build_parser():
                     help="timed runs per row, after one warm-up; the median is shown")
     ap.add_argument("--torch-seq-len", type=positive_int, default=None,
                     help="T for the torch rows (default: --seq-len)")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, one run each (a smoke test)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny sizes, three runs each: a smoke test of the benchmark, not a "
+                         "measurement of gdn_ext's speed")
     ap.add_argument("--scaling", type=positive_int, nargs="+", metavar="N", default=None,
                     help="only the thread-scaling run, for these thread counts, e.g. 1 2 4 8 16 "
                          "(default: not run)")
@@ -913,7 +953,7 @@ def main(argv=None):
     kw = dict(B=a.batch, T=a.seq_len, H=a.heads, D=a.head_dim, threads=a.threads,
               repeat=a.repeat, torch_T=a.torch_seq_len)
     if a.quick:
-        kw.update(B=1, T=64, H=2, D=16, repeat=1, torch_T=32, numpy_T=16, sweep_T=(32, 64),
+        kw.update(B=1, T=64, H=2, D=16, repeat=3, torch_T=32, numpy_T=16, sweep_T=(256, 1024),
                   sweep_D=(8, 16), memory_T=256, quick=True)
     res = run(**kw)
     if a.json:
