@@ -74,5 +74,15 @@ def run_python(code, env=None, **kwargs):
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join([package_root, tests] + [
         p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if os.name == "posix":
+        kwargs.setdefault("preexec_fn", _sigint_default)
     return subprocess.run([sys.executable, *kwargs.pop("args", ["-c", code])], env=env,
                           capture_output=True, text=True, cwd=tests, **kwargs)
+
+
+def _sigint_default():
+    """SIGINT's default disposition in a child (before exec), so that Python installs its Ctrl-C
+    handler there: a suite started from a background job (nohup, `cmd &` in a script) has SIGINT
+    ignored, children inherit that, and the tests that send SIGINT to a child saw no interrupt."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

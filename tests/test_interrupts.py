@@ -27,9 +27,6 @@ posix = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 # signal.getsignal shows only Python's own table).
 PRELUDE = r"""
 import ctypes, os, signal, sys, threading, time
-# Python's Ctrl-C handler, as in a terminal: a process started in the background by a shell
-# without job control (CI scripts, `cmd &`) inherits SIGINT ignored, and Python then installs none
-signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np, gdn_ext
 
 def inputs(B, T, H, D, seed=0, unit=True, dtype=np.float32):
