@@ -230,3 +230,13 @@ def test_the_docs_stand_without_the_design_note():
     found = [f"{p.relative_to(ROOT)}: ...{t[max(0, m.start() - 40):m.end() + 20]!r}..."
              for p, t in texts.items() for m in re.finditer(r"design[ -]note", t, re.I)]
     assert not found, "\n".join(found)
+
+
+def test_the_speed_pages_logs_speak_to_users():
+    """The logs the Speed page links are read by users: no words of how the team runs its
+    machines (leases, scratch scripts under .ab/ or .dev/, "device" for a machine)."""
+    logs = sorted((DOCS / "benchmarks").glob("*.txt")) if DOCS.is_dir() else []
+    found = [f"{p.name}:{i + 1}: {line[:80]}" for p in logs
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines())
+             if re.search(r"\blease\b|\.ab/|\.dev\b|\bdevice\b", line)]
+    assert not found, "\n".join(found)
