@@ -365,7 +365,7 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
         fwd, bwd, _ = _gdn_calls(x, threads)
         tf, tb = _timeit(fwd, repeat), _timeit(bwd, max(1, repeat // 2))
         ntok = x["q"].shape[0] * Ts
-        res["sweep_T"].append(dict(T=Ts, forward_s=tf, backward_s=tb,
+        res["sweep_T"].append(dict(T=Ts, tokens=ntok, forward_s=tf, backward_s=tb,
                                    forward_us_per_token=1e6 * tf / ntok,
                                    backward_us_per_token=1e6 * tb / ntok))
         noisy = max(getattr(tf, "spread", 1.0), getattr(tb, "spread", 1.0)) > NOISY
@@ -374,7 +374,7 @@ def run(B=2, T=2048, H=4, D=128, threads=None, repeat=5, torch_T=None, numpy_T=1
 
     sw = res["sweep_T"]
     for a, b in zip(sw, sw[1:]):   # a call's fixed cost cancels: what each added token costs
-        ntok = (b["T"] - a["T"]) * (1 if quick else B)
+        ntok = b["tokens"] - a["tokens"]
         df, db = (1e6 * (b[key] - a[key]) / ntok for key in ("forward_s", "backward_s"))
         log(f"  T={a['T']} -> {b['T']}: each added token {df:8.2f} us forward, {db:8.2f} us "
             f"backward (flat across the sweep: linear cost)")
