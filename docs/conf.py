@@ -52,6 +52,13 @@ for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         shutil.copyfile(nb, dst)
 # the notebooks' kernels inherit this: figures as inline images, whatever MPLBACKEND said
 os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+# ... drawn as SVG (vector: legends and ticks stay legible when the page is zoomed), through a
+# kernel profile of the build's own (a reader's own IPython settings do not change the site)
+IPYTHONDIR = HERE / "_build" / "ipython"
+(IPYTHONDIR / "profile_default").mkdir(parents=True, exist_ok=True)
+(IPYTHONDIR / "profile_default" / "ipython_kernel_config.py").write_text(
+    'c.InlineBackend.figure_formats = {"svg"}\n', encoding="utf-8")
+os.environ["IPYTHONDIR"] = str(IPYTHONDIR)
 
 nb_execution_mode = "force"           # always run them: a broken lesson fails the build
 nb_execution_timeout = 600
@@ -76,9 +83,12 @@ napoleon_google_docstring = True
 # -- HTML
 html_theme = "pydata_sphinx_theme"
 html_title = f"gdn_ext {release}"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["gdn.css"]
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
 }
 html_show_sourcelink = False
+# pages with no sub-pages: the left sidebar would be an empty column
+html_sidebars = {page: [] for page in ("speed", "install", "changelog", "contributing")}

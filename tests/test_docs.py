@@ -240,3 +240,26 @@ def test_the_speed_pages_logs_speak_to_users():
              for i, line in enumerate(p.read_text(encoding="utf-8").splitlines())
              if re.search(r"\blease\b|\.ab/|\.dev\b|\bdevice\b", line)]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.skipif(not DOCS.is_dir(), reason="docs/ is not in the sdist")
+def test_the_site_is_readable_at_its_width(monkeypatch):
+    """Notebook figures are drawn as SVG (vector: zoomable, legible), long code lines wrap instead
+    of being cut at the column's edge, and a page with no sub-pages has no empty left sidebar."""
+    import sys
+    monkeypatch.setattr(os, "environ", dict(os.environ))    # conf.py sets the kernels' variables
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    conf = {"__file__": str(DOCS / "conf.py")}
+    exec(compile((DOCS / "conf.py").read_text(encoding="utf-8"), str(DOCS / "conf.py"), "exec"),
+         conf)
+    profile = pathlib.Path(conf["IPYTHONDIR"]) / "profile_default" / "ipython_kernel_config.py"
+    assert re.search(r"InlineBackend\.figure_formats = \{\"svg\"\}", profile.read_text()), profile
+    css = "".join((DOCS / d / f).read_text(encoding="utf-8")
+                  for d in conf["html_static_path"] for f in conf["html_css_files"])
+    assert re.search(r"pre\s*\{[^}]*white-space:\s*pre-wrap", css), css
+    toc = re.search(r"```\{toctree\}(.*?)```", (DOCS / "index.md").read_text(encoding="utf-8"),
+                    re.S).group(1)
+    leaves = [ln.strip() for ln in toc.splitlines()
+              if ln.strip() and not ln.startswith(":") and not ln.strip().endswith("/index")]
+    assert leaves and all(conf["html_sidebars"].get(p) == [] for p in leaves), \
+        (leaves, conf["html_sidebars"])
