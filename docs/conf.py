@@ -53,11 +53,21 @@ for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
 # the notebooks' kernels inherit this: figures as inline images, whatever MPLBACKEND said
 os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
 # ... drawn as SVG (vector: legends and ticks stay legible when the page is zoomed), through a
-# kernel profile of the build's own (a reader's own IPython settings do not change the site)
+# kernel profile of the build's own (a reader's own IPython settings do not change the site).
+# The profile also drops the kernels' "running over TCP without encryption" line: the build's
+# kernels listen on the loopback interface only, for the length of one notebook.
+KERNEL_CONFIG = """\
+import logging
+c.InlineBackend.figure_formats = {"svg"}
+class LoopbackOnly(logging.Filter):
+    def filter(self, record):
+        return "without encryption" not in record.getMessage()
+logging.getLogger("IPKernelApp").addFilter(LoopbackOnly())
+"""
 IPYTHONDIR = HERE / "_build" / "ipython"
 (IPYTHONDIR / "profile_default").mkdir(parents=True, exist_ok=True)
-(IPYTHONDIR / "profile_default" / "ipython_kernel_config.py").write_text(
-    'c.InlineBackend.figure_formats = {"svg"}\n', encoding="utf-8")
+(IPYTHONDIR / "profile_default" / "ipython_kernel_config.py").write_text(KERNEL_CONFIG,
+                                                                          encoding="utf-8")
 os.environ["IPYTHONDIR"] = str(IPYTHONDIR)
 
 nb_execution_mode = "force"           # always run them: a broken lesson fails the build
