@@ -244,8 +244,9 @@ def test_the_speed_pages_logs_speak_to_users():
 
 @pytest.mark.skipif(not DOCS.is_dir(), reason="docs/ is not in the sdist")
 def test_the_site_is_readable_at_its_width(monkeypatch):
-    """Notebook figures are drawn as SVG (vector: zoomable, legible), long code lines wrap instead
-    of being cut at the column's edge, and a page with no sub-pages has no empty left sidebar."""
+    """Notebook figures are drawn as SVG (vector: zoomable, legible) and no wider than the text
+    column shows near full size, long code lines wrap instead of being cut at the column's edge,
+    and a page with no sub-pages has no empty left sidebar."""
     import sys
     monkeypatch.setattr(os, "environ", dict(os.environ))    # conf.py sets the kernels' variables
     monkeypatch.setattr(sys, "path", list(sys.path))
@@ -263,3 +264,9 @@ def test_the_site_is_readable_at_its_width(monkeypatch):
               if ln.strip() and not ln.startswith(":") and not ln.strip().endswith("/index")]
     assert leaves and all(conf["html_sidebars"].get(p) == [] for p in leaves), \
         (leaves, conf["html_sidebars"])
+    # at most 8 inches wide: the text column shows it near full size (panels go one above another)
+    import json
+    wide = [(nb.name, w) for nb in sorted((ROOT / "notebooks").glob("*.ipynb"))
+            for c in json.loads(nb.read_text(encoding="utf-8"))["cells"]
+            for w in re.findall(r"figsize=\(([\d.]+),", "".join(c["source"])) if float(w) > 8]
+    assert not wide, wide
