@@ -344,6 +344,11 @@ def test_auto_picks_by_the_documented_rule_per_pair():
     assert same(pair(auto, 0, 0), pair(rec, 0, 0))
     for b, h in [(0, 1), (1, 0), (1, 1)]:
         assert same(pair(auto, b, h), pair(chk, b, h))
+    # the same choices whatever k's memory layout (the rule's pass reads rows with a stride
+    # between elements, or reversed, as the kernels do)
+    for k in (np.asfortranarray(bad["k"]), bad["k"][..., ::-1].copy()[..., ::-1]):
+        laid = dict(bad, k=k)
+        assert same(run(laid, "auto"), auto)
     # ... unless the keys are normalised in the kernel (||k|| < 1: beta alone decides)
     assert same(run(bad, "auto", normalize_qk=True), run(bad, "chunk", normalize_qk=True))
     # without the delta rule there is no solve: the chunk form
