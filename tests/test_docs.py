@@ -217,7 +217,7 @@ def test_the_docs_stand_without_the_design_note():
     package's docstrings and messages name each lesson by its content, and the note itself comes up
     in one place only, the user guide's "Where the names come from"."""
     import json
-    texts = {p: p.read_text(encoding="utf-8") for p in _pages()}
+    texts = {p: p.read_text(encoding="utf-8") for p in _pages() + [ROOT / "CHANGELOG.md"]}
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
         texts[nb] = "\n".join("".join(c["source"]) for c in cells)
@@ -230,6 +230,34 @@ def test_the_docs_stand_without_the_design_note():
     found = [f"{p.relative_to(ROOT)}: ...{t[max(0, m.start() - 40):m.end() + 20]!r}..."
              for p, t in texts.items() for m in re.finditer(r"design[ -]note", t, re.I)]
     assert not found, "\n".join(found)
+
+
+def test_written_signatures_match_the_functions():
+    """A signature the guide writes out in full ({func}`name(params) <target>`, no "...") names
+    the function's parameters in its order, keyword-only marker included: a keyword the code
+    gained (algorithm=, check_values=) must not be missing from the page."""
+    import importlib
+    import inspect
+    if not DOCS.is_dir():
+        pytest.skip("docs/ is not in this tree (an sdist)")
+    pat = re.compile(r"\{func\}`[\w.]+\((.*?)\)\s*<([\w.]+)>`", re.S)
+    seen = 0
+    for page in _pages():
+        for m in pat.finditer(page.read_text(encoding="utf-8")):
+            params, target = m.groups()
+            if "..." in params:
+                continue
+            mod, _, name = target.rpartition(".")
+            fn = getattr(importlib.import_module(mod), name)
+            written = [p.split("=")[0].strip() for p in params.replace("\n", " ").split(",")]
+            actual = []
+            for p in inspect.signature(fn).parameters.values():
+                if p.kind is p.KEYWORD_ONLY and "*" not in actual:
+                    actual.append("*")
+                actual.append(p.name)
+            assert written == actual, f"{page.name}: {target}: written {written}, code {actual}"
+            seen += 1
+    assert seen >= 2
 
 
 def test_the_speed_pages_logs_speak_to_users():

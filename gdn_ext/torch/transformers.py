@@ -11,7 +11,7 @@ __all__ = ["patch_transformers"]
 # is dropped, as transformers' own dispatcher drops what its implementation does not take (the
 # layers pass the model call's **kwargs down: loss keywords, output flags, TransformersKwargs).
 # q, k, v are the fallbacks' query, key, value; chunk_size is checked as transformers' fallback
-# uses it and not passed on (gdn_ext computes the recurrence exactly, whatever the chunking).
+# uses it and not passed on (the fallback's chunks are not gdn_ext's, which keeps its own size).
 _NAMED = frozenset({"q", "k", "v", "g", "beta", "chunk_size", "initial_state",
                     "output_final_state", "use_qk_l2norm_in_kernel"})
 _PASSED = {fn: frozenset(inspect.signature(fn).parameters) - _NAMED
@@ -47,8 +47,8 @@ def transformers_chunk_gated_delta_rule(query, key, value, g=None, beta=None, ch
     """gdn_ext's :func:`chunk_gated_delta_rule` called as transformers calls
     ``torch_chunk_gated_delta_rule``: its positional order (query, key, value, g, beta,
     chunk_size, initial_state, output_final_state, use_qk_l2norm_in_kernel); ``chunk_size`` any
-    positive integer (ignored: the result is the exact recurrence; TypeError / ValueError for
-    what the fallback cannot chunk by); flash-linear-attention's other keywords (``cu_seqlens``,
+    positive integer (ignored: the chunkwise form runs with gdn_ext's own chunk size; TypeError /
+    ValueError for what the fallback cannot chunk by); flash-linear-attention's other keywords (``cu_seqlens``,
     ``scale``, ...) with their meaning there; every other keyword ignored, as the fallback
     ignores its ``**kwargs``. ``seq_idx`` without ``cu_seqlens`` is a ValueError (transformers
     refuses it without flash-linear-attention too). No value warnings unless
