@@ -18,7 +18,7 @@ MAX_CHUNK_SIZE = 256      # the compiled module's CHUNK_MAX
 def check_algorithm(algorithm, chunk_size):
     """The ``algorithm`` and ``chunk_size`` arguments checked: (algorithm, chunk_size or None).
     TypeError for a non-string algorithm or a non-int chunk_size, ValueError for an unknown
-    algorithm or a chunk_size outside [1, MAX_CHUNK_SIZE]."""
+    algorithm, a chunk_size outside [1, MAX_CHUNK_SIZE] or one given with "recurrent"."""
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}; got "
                         f"{algorithm!r}")
@@ -36,7 +36,19 @@ def check_algorithm(algorithm, chunk_size):
                         f"{type(chunk_size).__name__}") from None
     if not 1 <= c <= MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be None or an int in [1, {MAX_CHUNK_SIZE}]; got {c}")
+    if algorithm == "recurrent":   # a size that would change nothing: the caller meant another form
+        raise ValueError(f"chunk_size={c} is the chunkwise form's; algorithm='recurrent' has no "
+                         f"chunks (pass chunk_size=None, or algorithm='chunk' or 'auto')")
     return algorithm, c
+
+
+def refuse_chunk_with_checkpoints(algorithm, argument):
+    """ValueError for algorithm="chunk" beside the recurrence's checkpoints (``argument``:
+    ``return_checkpoints=True`` or ``checkpoints=``), which make the recurrence run."""
+    if algorithm == "chunk":
+        raise ValueError(f"{argument} hands over the recurrence's checkpoints, so the recurrence "
+                         f"runs: algorithm='chunk' cannot be honoured with it (pass "
+                         f"algorithm='auto' or 'recurrent', or leave out {argument})")
 
 
 def chunk_for(algorithm, chunk_size, per_key=False):

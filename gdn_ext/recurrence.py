@@ -13,7 +13,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ._native import _core
 from ._checks import as_real_array, converted, expect_shape, flag, sequence_length
-from ._algorithm import chunk_for
+from ._algorithm import chunk_for, refuse_chunk_with_checkpoints
 from ._problem import _Problem
 from ._threads import (fp_recorded, lead_pieces, pieces, report_fp, run_pieces, thread_count,
                        threads)
@@ -209,9 +209,10 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
         least 64 tokens, unless, with the delta rule and keys not normalised, some
         beta_t ||k_t||^2 exceeds 2 (where the triangular solve amplifies rounding; user guide,
         "Floating point"). With ``return_checkpoints=True`` the recurrence runs (the
-        checkpoints are its states).
+        checkpoints are its states): "auto" then means the recurrence, and "chunk" is refused.
     chunk_size : int or None, default None
         Tokens per chunk of the chunkwise form, 1 to 256; None: 32. T need not be a multiple.
+        Refused with algorithm="recurrent", which has no chunks.
     check_values : bool, default True
         Warn (UserWarning, at the caller's line) when alpha is outside [0, 1], g above 0, or T < H
         with 1 < T (q may be head-first [B, H, T, D]); with the delta rule also when beta is
@@ -248,7 +249,8 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
         HV not a multiple of H, both or neither of alpha and g, a non-finite scale,
         num_threads < 1, a cu_seqlens that does not start at 0, decreases, does not end at T, or
         comes with B != 1, an algorithm other than "auto", "chunk", "recurrent", a chunk_size
-        outside [1, 256].
+        outside [1, 256] or given with algorithm="recurrent", algorithm="chunk" with
+        return_checkpoints=True.
 
     Notes
     -----
@@ -267,6 +269,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
                  check_values=check_values, delta_rule=delta_rule, num_threads=asked)
     chunk = chunk_for(algorithm, chunk_size, p.per_key)
     if return_checkpoints:
+        refuse_chunk_with_checkpoints(algorithm, "return_checkpoints=True")
         o, S_T, ck = _forward(p, asked, checkpoints=True)
         return GatedDeltaRuleOutputWithCheckpoints(p.user_seq(o),
                                                    S_T if output_final_state else None, ck)
@@ -345,7 +348,8 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
         As for :func:`gated_delta_rule`: the chunkwise form's backward walks the chunks in
         reverse from the states entering them, which it computes first (ceil(T / chunk_size)
         states per pair in flight instead of the recurrence's checkpoints). With
-        ``checkpoints=`` the recurrence runs.
+        ``checkpoints=`` the recurrence runs ("auto" then means the recurrence; "chunk" is
+        refused).
 
     Returns
     -------
@@ -358,7 +362,8 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     Raises
     ------
     TypeError, ValueError
-        As :func:`gated_delta_rule`; also when do or dS_T has the wrong shape.
+        As :func:`gated_delta_rule`; also when do or dS_T has the wrong shape, or
+        algorithm="chunk" comes with checkpoints=.
 
     Source: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks", ICLR 2025
     (arXiv:2412.06464), section 3; the equations above are the chain rule through its recurrence.
@@ -367,6 +372,8 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
     p, do, dST = _backward_problem(do, dS_T, q, k, v, beta, alpha, g, initial_state, scale,
                                    normalize_qk, cu_seqlens, check_values, delta_rule, asked)
     chunk = chunk_for(algorithm, chunk_size, p.per_key)
+    if checkpoints is not None:
+        refuse_chunk_with_checkpoints(algorithm, "checkpoints=")
     ck = None if checkpoints is None else _checked_ckpt(p, checkpoints, initial_state)
     return _backward(p, do, dST, ck, (0, False) if ck is not None else chunk, asked)
 

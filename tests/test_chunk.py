@@ -405,6 +405,53 @@ def test_bad_arguments(bad, err):
                                           g=P["g"], **bad)
 
 
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_chunk_size_with_the_recurrence_is_refused(chunk_size):
+    """A chunk size changes nothing in the recurrence: the caller meant another form."""
+    P = problem(np.random.default_rng(18), T=8)
+    kw = dict(beta=P["beta"], g=P["g"], algorithm="recurrent", chunk_size=chunk_size)
+    with pytest.raises(ValueError, match="chunk_size=%d .*'recurrent'" % chunk_size):
+        gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], **kw)
+    with pytest.raises(ValueError, match="'recurrent' has no chunks"):
+        gdn_ext.gated_delta_rule_backward(P["do"], P["q"], P["k"], P["v"], **kw)
+    # the same call without chunk_size runs, and auto / chunk take it
+    gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], beta=P["beta"], g=P["g"],
+                             algorithm="recurrent")
+    for alg in ("auto", "chunk"):
+        gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], **dict(kw, algorithm=alg))
+
+
+def test_chunk_with_the_recurrences_checkpoints_is_refused():
+    """return_checkpoints=True / checkpoints= make the recurrence run: an explicit "chunk" beside
+    them is refused (it used to run the recurrence without a word); "auto" runs the recurrence
+    with them, bitwise as "recurrent"."""
+    P = problem(np.random.default_rng(19), T=100)
+    kw = dict(beta=P["beta"], g=P["g"], initial_state=P["initial_state"])
+    with pytest.raises(ValueError, match="return_checkpoints=True .*algorithm='chunk'"):
+        gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], **kw, algorithm="chunk",
+                                 return_checkpoints=True)
+    o, S_T, ck = gdn_ext.gated_delta_rule(P["q"], P["k"], P["v"], **kw, return_checkpoints=True)
+    with pytest.raises(ValueError, match="checkpoints= .*algorithm='chunk'"):
+        gdn_ext.gated_delta_rule_backward(P["do"], P["q"], P["k"], P["v"], **kw,
+                                          algorithm="chunk", checkpoints=ck)
+    got = {a: gdn_ext.gated_delta_rule_backward(P["do"], P["q"], P["k"], P["v"], **kw,
+                                                algorithm=a, checkpoints=ck)
+           for a in ("auto", "recurrent")}
+    for a, b in zip(got["auto"], got["recurrent"]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_torch_chunk_size_with_the_recurrence_is_refused():
+    torch = pytest.importorskip("torch")
+    from gdn_ext.torch import GatedDeltaNet, gated_delta_rule
+    P = {n: torch.from_numpy(x) for n, x in problem(np.random.default_rng(20), T=8).items()}
+    with pytest.raises(ValueError, match="'recurrent' has no chunks"):
+        gated_delta_rule(P["q"], P["k"], P["v"], beta=P["beta"], g=P["g"],
+                         algorithm="recurrent", chunk_size=16)
+    with pytest.raises(ValueError, match="'recurrent' has no chunks"):
+        GatedDeltaNet(32, 2, 4, 8, 8, algorithm="recurrent", chunk_size=16)
+
 def test_inputs_not_modified():
     P = problem(np.random.default_rng(16), T=70)
     before = {n: x.copy() for n, x in P.items()}
@@ -571,11 +618,12 @@ def test_layer_trains_in_the_chunk_form():
     dy = rng.standard_normal((2, 100, 24))
     out = {}
     for algorithm in ("chunk", "recurrent"):
+        C = 16 if algorithm == "chunk" else None
         y, S_T, cache = gated_deltanet_forward(x, None, params, normalize_qk=True, scale=0.5,
-                                               algorithm=algorithm, chunk_size=16,
+                                               algorithm=algorithm, chunk_size=C,
                                                return_cache=True)
         grads = gated_deltanet_backward(dy, x, None, params, normalize_qk=True, scale=0.5,
-                                        cache=cache, algorithm=algorithm, chunk_size=16)
+                                        cache=cache, algorithm=algorithm, chunk_size=C)
         out[algorithm] = (y, S_T, cache, grads)
     c, r = out["chunk"], out["recurrent"]
     assert c[2].checkpoints.shape[-3] == -(-100 // 16)          # a state per chunk
@@ -592,11 +640,11 @@ def test_dask_passes_the_form_to_each_task():
     lazy = {n: da.from_array(x, chunks=(1,) + x.shape[1:]) for n, x in P.items()}
     for algorithm in ("chunk", "recurrent"):
         kw = dict(beta=lazy["beta"], g=lazy["g"], initial_state=lazy["initial_state"],
-                  algorithm=algorithm, chunk_size=16)
+                  algorithm=algorithm, chunk_size=16 if algorithm == "chunk" else None)
         o, S_T = gd.gated_delta_rule(lazy["q"], lazy["k"], lazy["v"], **kw)
         grads = gd.gated_delta_rule_backward(lazy["do"], lazy["q"], lazy["k"], lazy["v"],
                                              dS_T=lazy["dS_T"], **kw)
-        want = run(P, algorithm, 16)
+        want = run(P, algorithm, kw["chunk_size"])
         np.testing.assert_array_equal(o.compute(), want["o"])
         np.testing.assert_array_equal(grads.dq.compute(), want["dq"])
         np.testing.assert_array_equal(grads.dg.compute(), want["dgate"])

@@ -299,3 +299,24 @@ def test_the_site_is_readable_at_its_width(monkeypatch):
             for c in json.loads(nb.read_text(encoding="utf-8"))["cells"]
             for w in re.findall(r"figsize=\(([\d.]+),", "".join(c["source"])) if float(w) > 8]
     assert not wide, wide
+
+
+def test_every_extra_the_texts_name_exists_and_the_apps_imports_are_in_one():
+    """`pip install -e ".[x]"` in the README, the docs and the package's own messages names an
+    extra that pyproject.toml defines; the optional modules that a command imports
+    (``python -m gdn_ext ondisk``: dask and zarr) are in the extra its message names."""
+    import tomllib
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    texts = [ROOT / "README.md", *(ROOT / "gdn_ext").rglob("*.py")]
+    if DOCS.is_dir():
+        texts += [p for p in DOCS.rglob("*.md") if "_build" not in p.parts]
+    named = set()
+    for path in texts:
+        for group in re.findall(r"""pip install[^\n`]*?\.\[([a-z0-9_,-]+)\]""", path.read_text()):
+            named.update((n.strip(), path.name) for n in group.split(","))
+    assert ("ondisk", "ondisk.py") in named
+    for name, where in sorted(named):
+        assert name in extras, f"{where} names the extra [{name}], which pyproject.toml lacks"
+    wanted = {re.split(r"[<>=\[ ]", r)[0] for r in extras["ondisk"]}
+    assert {"dask", "zarr"} <= wanted, extras["ondisk"]

@@ -311,7 +311,7 @@ HANDOVER_CASES = {   # name: (inputs' shape and gate, call keywords)
 def test_forward_hands_its_checkpoints_to_the_backward(case, dtype):
     """gated_delta_rule(return_checkpoints=True) then gated_delta_rule_backward(checkpoints=):
     the same gradients, bit for bit, as the recurrent backward's own checkpoint pass, on 1 and 3
-    threads (the checkpoints are the recurrence's, whatever the algorithm asked for)."""
+    threads (the checkpoints are the recurrence's: "auto" runs the recurrence with them)."""
     shape, kw = HANDOVER_CASES[case]
     T, B, H = shape["T"], shape.get("B", 2), shape.get("H", 2)
     HV, Dk, Dv = shape.get("HV", H), 20, 36
@@ -340,7 +340,7 @@ def test_forward_hands_its_checkpoints_to_the_backward(case, dtype):
                                                 algorithm="recurrent")
         handed = gdn_ext.gated_delta_rule_backward(do, q, k, v, **common, dS_T=dS,
                                                    num_threads=nt, checkpoints=ck,
-                                                   algorithm="chunk")
+                                                   algorithm="auto")
         for name, a, b in zip(own._fields, own, handed):
             np.testing.assert_array_equal(b, a, err_msg=name)
 

@@ -4,7 +4,7 @@ chunked on-disk array (zarr) through gdn_ext.dask, with a progress bar.
 Writes random q, k, v, beta, g of the asked size into a zarr store (chunk by chunk: the whole
 batch is never in memory), runs ``gdn_ext.dask.gated_delta_rule`` lazily over them, streams the
 outputs o and S_T back to the store with dask's progress bar, and checks one chunk against a
-plain NumPy call. Needs ``pip install -e ".[dask]" zarr`` (in a clone).
+plain NumPy call. Needs dask and zarr: ``pip install -e ".[ondisk]"`` (in a clone).
 """
 import os
 import tempfile
@@ -90,7 +90,7 @@ def main(argv=None):
         import dask  # noqa: F401
         import zarr  # noqa: F401
     except ImportError:
-        ap.error('needs dask and zarr: pip install -e ".[dask]" zarr (in a clone)')
+        ap.error('needs dask and zarr: pip install -e ".[ondisk]" (in a clone)')
     if a.store is not None and os.path.exists(a.store) and not os.path.isdir(a.store):
         ap.error(f"--store {a.store} is a file, not a zarr directory")
     if a.chunk > a.batch:
