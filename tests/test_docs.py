@@ -305,7 +305,7 @@ def test_every_extra_the_texts_name_exists_and_the_apps_imports_are_in_one():
     """`pip install -e ".[x]"` in the README, the docs and the package's own messages names an
     extra that pyproject.toml defines; the optional modules that a command imports
     (``python -m gdn_ext ondisk``: dask and zarr) are in the extra its message names."""
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     texts = [ROOT / "README.md", *(ROOT / "gdn_ext").rglob("*.py")]
