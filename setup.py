@@ -97,9 +97,9 @@ if __name__ == "__main__":   # setuptools runs this file as __main__; tests impo
         ext_modules=[
             Extension(
                 "gdn_ext._core",
-                sources=["csrc/_core.c", "csrc/gdn_kernels.c", "csrc/gdn_kernels_avx2.c",
+                sources=["csrc/_core.c", "csrc/_block_cache.c", "csrc/gdn_kernels.c", "csrc/gdn_kernels_avx2.c",
                          "csrc/gdn_kernels_avx512.c"],
-                depends=["csrc/gdn.h", "csrc/gdn_recurrent.inc", "csrc/gdn_chunk.inc",
+                depends=["csrc/gdn.h", "csrc/_block_cache.h", "csrc/gdn_recurrent.inc", "csrc/gdn_chunk.inc",
                          "csrc/gdn_chunk_team.inc", "csrc/gdn_instances.inc",
                          "gdn_ext/_constants.py"],
                 include_dirs=[np.get_include(), "csrc"],

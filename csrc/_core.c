@@ -2,7 +2,7 @@
  * _core.c -- CPython / NumPy glue: registers the kernels of gdn_kernels.c as generalized ufuncs.
  *
  * Kept apart from the kernels so that they stay plain C. Here: byte strides become element strides,
- * per-thread workspace is allocated (with PyMem_RawMalloc, so tracemalloc sees it) before the parallel
+ * per-thread workspace is allocated (from _block_cache.c, traced by tracemalloc) before the parallel
  * region and errors are raised after it, on the calling thread. NumPy releases the GIL around these
  * loops because no operand is an object array.
  */
@@ -14,6 +14,7 @@
 #include <numpy/arrayobject.h>
 #include <numpy/ufuncobject.h>
 #include "gdn.h"
+#include "_block_cache.h"
 #include <fenv.h>
 #if !defined(_WIN32)
 #include <pthread.h>
@@ -64,7 +65,7 @@ static void *alloc_workspace(int nt, size_t len, size_t itemsize)
     void *ws = NULL;
     if (len <= SIZE_MAX / itemsize / (size_t)nt) {
         size_t total = (size_t)nt * len * itemsize;
-        ws = PyMem_RawMalloc(total ? total : 1);
+        ws = gdn_workspace_alloc(total);
     }
     if (ws == NULL) raise_from_loop(PyExc_MemoryError, "gdn_ext: cannot allocate the kernel workspace");
     return ws;
@@ -454,7 +455,7 @@ static void run_with_workspace(int nt, size_t len, size_t is, int inplace, gdn_s
         }
     }
     if (bare) call_close();
-    PyMem_RawFree(ws);
+    gdn_workspace_free(ws);
 }
 
 /* ---- the gufunc loops -----------------------------------------------------------------------
@@ -1005,6 +1006,83 @@ static PyObject *py_forked_child(PyObject *self, PyObject *unused)
     return PyBool_FromLong(forked_child);
 }
 
+/* ---- the block cache (_block_cache.c) ------------------------------------------------------ */
+
+static PyObject *cache_handler = NULL;   /* the NumPy allocator that uses the cache; never freed */
+
+static PyObject *py_cache_enter(PyObject *self, PyObject *noargs)
+{
+    return PyDataMem_SetHandler(cache_handler);
+}
+
+static PyObject *py_cache_exit(PyObject *self, PyObject *previous)
+{
+    PyObject *mine = PyDataMem_SetHandler(previous == Py_None ? NULL : previous);
+    if (mine == NULL) return NULL;
+    Py_DECREF(mine);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_empty_cache(PyObject *self, PyObject *noargs)
+{
+    size_t freed;
+    Py_BEGIN_ALLOW_THREADS
+    freed = gdn_cache_empty();
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSize_t(freed);
+}
+
+static PyObject *py_set_cache_limit(PyObject *self, PyObject *arg)
+{
+    const size_t limit = PyLong_AsSize_t(arg);
+    if (limit == (size_t)-1 && PyErr_Occurred()) return NULL;
+    size_t previous;
+    Py_BEGIN_ALLOW_THREADS
+    previous = gdn_cache_set_limit(limit);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSize_t(previous);
+}
+
+/* For the tests: n rounds of taking two blocks of `bytes`, filling them with this caller's tag,
+ * checking them and giving them back, without the GIL, so that callers on several threads race
+ * for the same cached blocks. Returns the rounds whose blocks another caller had written. */
+static PyObject *py_cache_churn(PyObject *self, PyObject *args)
+{
+    Py_ssize_t n, bytes;
+    unsigned int tag;
+    if (!PyArg_ParseTuple(args, "nnI", &n, &bytes, &tag)) return NULL;
+    if (n < 0 || bytes < (Py_ssize_t)sizeof(unsigned int)) {
+        PyErr_SetString(PyExc_ValueError, "_cache_churn: n >= 0 and bytes >= 4");
+        return NULL;
+    }
+    Py_ssize_t bad = 0, failed = 0;
+    const size_t words = (size_t)bytes / sizeof(unsigned int);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < n && !failed; r++) {
+        unsigned int *a = gdn_cache_alloc((size_t)bytes, 0);   /* [words] */
+        unsigned int *b = gdn_cache_alloc((size_t)bytes, 0);   /* [words] */
+        if (a == NULL || b == NULL) failed = 1;
+        else {
+            for (size_t i = 0; i < words; i += 512) a[i] = b[i] = tag;
+            int wrong = a == b;
+            for (size_t i = 0; i < words; i += 512) wrong |= a[i] != tag || b[i] != tag;
+            bad += wrong;
+        }
+        gdn_cache_free(a);
+        gdn_cache_free(b);
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
+    return PyLong_FromSsize_t(bad);
+}
+
+static PyObject *py_cache_stats(PyObject *self, PyObject *noargs)
+{
+    size_t cached, limit;
+    gdn_cache_stats(&cached, &limit);
+    return Py_BuildValue("(nn)", (Py_ssize_t)cached, (Py_ssize_t)limit);
+}
+
 static PyMethodDef methods[] = {
     {"_forked_child", py_forked_child, METH_NOARGS,
      "_forked_child() -> bool: whether this process is a fork() child (calls then run on one "
@@ -1046,6 +1124,18 @@ static PyMethodDef methods[] = {
      "T-token sequence in chunks of C: ceil(NT / R), R = gdn_chunk_segment (NT = ceil(T / C))."},
     {"bwd_workspace_len", py_bwd_workspace_len, METH_VARARGS,
      "bwd_workspace_len(T, Dk, Dv) -> elements of backward workspace per thread."},
+    {"_cache_enter", py_cache_enter, METH_NOARGS,
+     "_cache_enter() -> previous: NumPy arrays made on this context from now on use gdn_ext's\n"
+     "block cache; pass the result to _cache_exit to put the previous allocator back."},
+    {"_cache_exit", py_cache_exit, METH_O, "_cache_exit(previous): undoes _cache_enter."},
+    {"_empty_cache", py_empty_cache, METH_NOARGS,
+     "_empty_cache() -> bytes: frees every block the cache keeps."},
+    {"_set_cache_limit", py_set_cache_limit, METH_O,
+     "_set_cache_limit(nbytes) -> previous limit: the most bytes the cache keeps (0: none)."},
+    {"_cache_churn", py_cache_churn, METH_VARARGS,
+     "_cache_churn(n, bytes, tag) -> rounds that found another caller's writes (tests only)."},
+    {"_cache_stats", py_cache_stats, METH_NOARGS,
+     "_cache_stats() -> (cached bytes, limit)."},
     {NULL, NULL, 0, NULL}};
 
 /* Multi-phase initialisation (PEP 489): PyInit returns the definition and core_exec fills the
@@ -1066,6 +1156,7 @@ static int core_exec(PyObject *m)
     main_ident = PyLong_AsUnsignedLong(ident);
     Py_DECREF(ident);
     if (main_ident == (unsigned long)-1 && PyErr_Occurred()) return -1;
+    if (cache_handler == NULL && (cache_handler = gdn_cache_handler()) == NULL) return -1;
 #if !defined(_WIN32)
     static int registered = 0;
     if (!registered && pthread_atfork(NULL, NULL, after_fork_in_child) == 0) registered = 1;

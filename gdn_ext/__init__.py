@@ -21,13 +21,14 @@ _LIBRARY = {   # public names -> the module that holds them (loaded with the com
     "gated_delta_rule": "recurrence", "gated_delta_rule_backward": "recurrence",
     "gated_delta_rule_step": "recurrence", "openmp_enabled": "recurrence",
     "checkpoint_interval": "recurrence", "checkpoint_count": "recurrence",
-    "threads": "recurrence",
+    "threads": "recurrence", "empty_cache": "_cache", "memory_reserved": "_cache",
+    "set_cache_limit": "_cache",
 }
 __all__ = [   # written out (not computed from _LIBRARY), so that type checkers read it
     "layer", "ufuncs", "GatedDeltaNetParams", "gated_deltanet_forward", "gated_deltanet_backward",
     "gated_deltanet_step", "rmsnorm", "l2norm", "gated_delta_rule", "gated_delta_rule_backward",
     "gated_delta_rule_step", "openmp_enabled", "checkpoint_interval", "checkpoint_count",
-    "threads", "GatedDeltaRuleOutput", "GatedDeltaRuleOutputWithCheckpoints",
+    "threads", "empty_cache", "memory_reserved", "set_cache_limit", "GatedDeltaRuleOutput", "GatedDeltaRuleOutputWithCheckpoints",
     "GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult", "LayerStepResult", "LayerGrads",
     "LayerCache", "ChunkIntermediates", "reference", "__version__"]
 
@@ -43,6 +44,7 @@ from ._native import CORE_ERROR as _CORE_ERROR  # noqa: E402
 
 if _CORE_ERROR is None:
     from . import layer, ufuncs  # noqa: E402
+    from ._cache import empty_cache, memory_reserved, set_cache_limit  # noqa: E402
     from .layer import (GatedDeltaNetParams, gated_deltanet_backward,  # noqa: E402
                         gated_deltanet_forward, gated_deltanet_step, l2norm, rmsnorm)
     from .recurrence import (checkpoint_count, checkpoint_interval, gated_delta_rule,  # noqa: E402

@@ -14,6 +14,7 @@ from numpy.typing import ArrayLike, NDArray
 from ._native import _core
 from ._checks import as_real_array, converted, expect_shape, flag, sequence_length
 from ._algorithm import chunk_for, refuse_chunk_with_checkpoints
+from ._cache import uses_block_cache
 from ._problem import _Problem
 from ._threads import (fp_recorded, lead_pieces, pieces, report_fp, run_pieces, thread_count,
                        threads)
@@ -128,6 +129,7 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLik
     ...
 
 
+@uses_block_cache
 def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, beta: ArrayLike,
                      alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
                      initial_state: Optional[ArrayLike] = None, scale: float = 1.0,
@@ -300,6 +302,7 @@ def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: Arra
                               ) -> GatedDeltaRuleGradsG: ...
 
 
+@uses_block_cache
 def gated_delta_rule_backward(do: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
                               beta: ArrayLike, alpha: Optional[ArrayLike] = None,
                               g: Optional[ArrayLike] = None,
@@ -414,6 +417,7 @@ def _train_chunk(p, algorithm, chunk_size):
     return chunk
 
 
+@uses_block_cache
 def _train_forward(q, k, v, *, beta, alpha=None, g=None, initial_state=None, scale=1.0,
                    normalize_qk=False, cu_seqlens=None, num_threads=None, delta_rule=True,
                    algorithm="auto", chunk_size=None):
@@ -428,6 +432,7 @@ def _train_forward(q, k, v, *, beta, alpha=None, g=None, initial_state=None, sca
     return p.user_seq(o), S_T, ck
 
 
+@uses_block_cache
 def _train_backward(do, q, k, v, *, beta, alpha=None, g=None, initial_state=None, dS_T=None,
                     scale=1.0, normalize_qk=False, cu_seqlens=None, num_threads=None,
                     delta_rule=True, algorithm="auto", chunk_size=None, checkpoints):
@@ -561,6 +566,7 @@ def checkpoint_count(T: int) -> int:
     return int(_core.checkpoint_count(sequence_length(T)))
 
 
+@uses_block_cache
 def gated_delta_rule_step(q_t: ArrayLike, k_t: ArrayLike, v_t: ArrayLike, *, beta: ArrayLike,
                           alpha: Optional[ArrayLike] = None, g: Optional[ArrayLike] = None,
                           state: Optional[ArrayLike] = None, scale: float = 1.0,

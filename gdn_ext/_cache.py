@@ -1,0 +1,68 @@
+"""gdn_ext's block cache: large arrays and kernel workspace reused across calls.
+
+Memory that malloc gives back to the operating system returns as fresh pages, and the first
+write to each one is a page fault. A training step allocates tens of MB (the outputs, the chunk
+states its backward restarts from, the gradients, the kernels' workspace); without the cache it
+faulted on every page of them on every step, 10-15 % of a float32 step at D = 128. The arrays the
+library's functions return, and the workspace of its kernels, come from blocks that earlier calls
+freed, up to a limit.
+"""
+import functools
+from typing import Any, Callable, TypeVar
+
+from ._native import _core
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["empty_cache", "memory_reserved", "set_cache_limit", "uses_block_cache"]
+
+
+def uses_block_cache(fn: F) -> F:
+    """Decorator: the NumPy arrays ``fn`` makes come from the block cache (NumPy's allocator
+    interface, NEP 49; arrays remember their allocator, so they may outlive the call)."""
+    @functools.wraps(fn)
+    def with_block_cache(*args: Any, **kwargs: Any) -> Any:
+        previous = _core._cache_enter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _core._cache_exit(previous)
+    return with_block_cache  # type: ignore[return-value]
+
+
+def empty_cache() -> int:
+    """Give every block the cache keeps back to the system allocator (as torch.cuda.empty_cache
+    does for its cache). Arrays still in use are not touched.
+
+    Returns:
+        int: the bytes freed.
+    """
+    return int(_core._empty_cache())
+
+
+def memory_reserved() -> int:
+    """Bytes the cache keeps for reuse now: freed arrays' and workspace blocks, not in use."""
+    return int(_core._cache_stats()[0])
+
+
+def set_cache_limit(nbytes: int) -> int:
+    """Set the most bytes the cache keeps (default 1 GiB); 0 keeps none, so that every block
+    goes back to the system allocator when it is freed. Blocks over the new limit are freed now.
+
+    Args:
+        nbytes (int): the limit, in bytes, >= 0.
+
+    Returns:
+        int: the previous limit.
+
+    Raises:
+        TypeError: ``nbytes`` is not an integer.
+        ValueError: ``nbytes`` is negative.
+    """
+    if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+        raise TypeError(f"set_cache_limit: nbytes must be an integer (bytes), got "
+                        f"{type(nbytes).__name__}")
+    nbytes = nbytes.__index__()
+    if nbytes < 0:
+        raise ValueError(f"set_cache_limit: nbytes must be >= 0, got {nbytes}")
+    return int(_core._set_cache_limit(nbytes))
