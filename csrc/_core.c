@@ -145,6 +145,7 @@ static int check_packed(const char *cu, ptrdiff_t cu_n, ptrdiff_t cu_m, npy_intp
     }
     if (check_cu((const int64_t *)cu, cu_n, cu_m, dims[0], dims[4], dims[1], max_len) < 0)
         return -1;
+    if (ck) sz->nck = dims[6];
     return ck ? check_ckpt_count(dims[6], *max_len, sz) : 0;
 }
 
@@ -612,6 +613,7 @@ static int call_sizes(gdn_sizes *sz, const loop_operands *L, const loop_kind *ki
     sz->chunk_states = kind->ckpt && sz->chunk > 0;
     if (kind->general)
         return check_packed(arg(L, R_CU), in->cu_n, in->cu_m, dims, kind->ckpt, sz);
+    if (kind->ckpt) sz->nck = dims[4];
     return kind->ckpt ? check_ckpt_count(dims[4], sz->T, sz) : 0;
 }
 

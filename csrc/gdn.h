@@ -108,6 +108,7 @@ typedef struct {
                           * no checkpoints; see gdn_chunk_part_len); 0: the recurrence */
     int chunk_auto;      /* with chunk > 0: per pair, the chunkwise form only where it suits */
     int chunk_states;    /* with chunk > 0: ckpt holds the chunk form's states (see below) */
+    ptrdiff_t nck;       /* the ckpt operand's slots per pair (its c axis); 0: no ckpt */
     gdn_cancel_flag *cancel;   /* this call's Ctrl-C flag, NULL: none (see GDN_CANCELLED) */
 } gdn_sizes;
 
@@ -296,8 +297,9 @@ ptrdiff_t gdn_chunk_segment(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv);   /* R */
 ptrdiff_t gdn_chunk_states_held(ptrdiff_t NT, ptrdiff_t Dk, ptrdiff_t Dv, int given);
 /* With sz->chunk_states the forward's ckpt receives, and the backward's reads, the states
  * entering chunks 0, R, 2R, ... of each pair that runs the chunk form (R = gdn_chunk_segment),
- * gdn_chunk_checkpoint_count of them, in the state's layout [Dv, Dk]; pairs that auto gives the
- * recurrence leave their slots alone and make their own checkpoints in the backward. */
+ * gdn_chunk_checkpoint_count of them, in the state's layout [Dv, Dk]; the forward writes zeros in
+ * every other slot (a shorter packed sequence's last ones; all of a pair that auto gives the
+ * recurrence, which makes its own checkpoints in the backward), so ckpt may start uninitialised. */
 ptrdiff_t gdn_chunk_checkpoint_count(ptrdiff_t T, ptrdiff_t C, ptrdiff_t Dk, ptrdiff_t Dv);
 /* The chunk forward's work items: pairs times strips of value columns, at least
  * GDN_CHUNK_MIN_STRIP columns each (every strip recomputes the chunk's Q K^T, K K^T and UT

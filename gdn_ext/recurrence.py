@@ -89,8 +89,9 @@ def _forward(p, num_threads, checkpoints=False, chunk=(0, False)):
     if not checkpoints:
         _call(p.ufunc("fwd"), args, (o_k, S_T_k), num_threads, chunk)
         return o, S_T
-    # packed: zeros in the slots past a shorter sequence's own count (the kernel writes the rest)
-    ck = (np.zeros if p.packed or chunk[0] else np.empty)(p.ckpt_shape(chunk[0]), p.dtype)
+    # the recurrence's packed checkpoints: zeros in the slots past a shorter sequence's own count
+    # (the kernel writes the rest); the chunk form's kernel writes every slot, zeros included
+    ck = (np.zeros if p.packed and not chunk[0] else np.empty)(p.ckpt_shape(chunk[0]), p.dtype)
     _call(p.ufunc("fwd_ckpt"), args, (o_k, S_T_k, p.ckpt_view(ck)), num_threads,
           (chunk[0], chunk[1], chunk[0] > 0))
     return o, S_T, ck

@@ -218,3 +218,39 @@ def test_workspace_is_traced_while_in_use_only(limit):
     grads = sum(a.nbytes for a in g if isinstance(a, np.ndarray))
     assert peak > grads + 1_000_000                # the workspace (several MB) was seen
     assert after < grads + 100_000                 # and untraced when it went back to the cache
+
+
+def test_chunk_states_hold_no_garbage_from_a_reused_block(limit):
+    """The chunk form's states come in an uninitialised (here: reused, all-NaN) block: the kernel
+    writes every slot -- the states, and zeros where a pair keeps none (a packed sequence shorter
+    than the longest, an empty one, a head that auto gives the recurrence) -- and the backward
+    from them matches the recurrent one."""
+    from gdn_ext.recurrence import _train_backward, _train_forward
+    rng = np.random.default_rng(7)
+    cu = np.array([0, 10, 10, 710])                 # 10 tokens, none, 700: NS = 3
+    T, H, D = int(cu[-1]), 2, 128
+    q, k, v = (rng.standard_normal((1, T, H, D)) for _ in range(3))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    k[:, :, 1] *= 3.0                               # head 1: beta |k|^2 = 4.5 > 2, the recurrence
+    beta = np.full((1, T, H), 0.5)
+    g = -rng.uniform(0, 0.1, (1, T, H))
+    kw = dict(beta=beta, g=g, cu_seqlens=cu, num_threads=1)
+    n = _core._chunk_checkpoint_count(700, 32, D, D)
+    shape = (3, H, n, D, D)
+
+    @uses_block_cache
+    def poison():
+        np.full(shape, np.nan)                      # made and freed: its block is kept
+
+    poison()
+    o, S_T, ck = _train_forward(q, k, v, **kw)
+    assert ck.shape == shape and not np.isnan(ck).any()
+    assert not ck[:, 1].any()                       # the recurrent head keeps no states
+    assert not ck[0, 0, 1:].any() and not ck[1, 0].any()   # 10 tokens: one chunk; none: none
+    assert ck[2, 0].any() and ck[0, 0, 0].any() == False   # noqa: E712 (S_0 = 0 enters chunk 0)
+    do = rng.standard_normal(v.shape)
+    got = _train_backward(do, q, k, v, checkpoints=ck, **kw)
+    want = gdn_ext.gated_delta_rule_backward(do, q, k, v, algorithm="recurrent", check_values=False,
+                                             **kw)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
