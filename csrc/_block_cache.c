@@ -22,7 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include "_block_cache.h"
-#if !defined(_WIN32)
+#if defined(_WIN32)
+#include <windows.h>
+#else
 #include <pthread.h>
 #include <sys/mman.h>
 #endif
@@ -39,7 +41,7 @@
 #define GDN_CACHE_MIN_BYTES ((size_t)1 << 20)
 #endif
 #define GDN_CACHE_HEADER 64                       /* keeps the block's alignment to 64 bytes */
-#define GDN_CACHE_SLOTS 64
+#define GDN_CACHE_SLOTS 256
 #define GDN_TRACE_DOMAIN 0x67646e                 /* tracemalloc domain of the workspace ("gdn") */
 
 typedef struct {
@@ -54,7 +56,8 @@ typedef struct {
 
 static cache_slot slots[GDN_CACHE_SLOTS];
 static size_t cached_bytes = 0;
-static size_t cache_limit = (size_t)1 << 30;
+/* the default: a float64 training step of one layer at H = 32, T = 4096, D = 128 frees 1.04 GiB */
+static size_t cache_limit = (size_t)2 << 30;
 static unsigned long long clock_now = 0;
 
 #if defined(_WIN32)

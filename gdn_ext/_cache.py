@@ -8,6 +8,7 @@ library's functions return, and the workspace of its kernels, come from blocks t
 freed, up to a limit.
 """
 import functools
+import sys
 from typing import Any, Callable, TypeVar
 
 from ._native import _core
@@ -46,7 +47,7 @@ def memory_reserved() -> int:
 
 
 def set_cache_limit(nbytes: int) -> int:
-    """Set the most bytes the cache keeps (default 1 GiB); 0 keeps none, so that every block
+    """Set the most bytes the cache keeps (default 2 GiB); 0 keeps none, so that every block
     goes back to the system allocator when it is freed. Blocks over the new limit are freed now.
 
     Args:
@@ -65,4 +66,4 @@ def set_cache_limit(nbytes: int) -> int:
     nbytes = nbytes.__index__()
     if nbytes < 0:
         raise ValueError(f"set_cache_limit: nbytes must be >= 0, got {nbytes}")
-    return int(_core._set_cache_limit(nbytes))
+    return int(_core._set_cache_limit(min(nbytes, sys.maxsize)))   # more than memory: no limit

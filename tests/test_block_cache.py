@@ -83,6 +83,23 @@ def test_a_reused_block_given_as_zeros_is_zero(limit):
     assert z.ctypes.data == address and not z.any()
 
 
+def test_an_array_from_the_cache_resizes_in_place_keeping_its_values(limit):
+    """ndarray.resize reallocates through the array's own allocator (the cache's)."""
+    o, _ = _run(_inputs(5, **SHAPE), num_threads=1)
+    want = o.ravel().copy()
+    for n in (3 * want.size, want.size // 2, 1000):   # larger, smaller, below the cache's blocks
+        o.resize((n,), refcheck=False)
+        m = min(n, want.size)
+        np.testing.assert_array_equal(o[:m], want[:m])
+        assert not o[m:].any()                          # NumPy zero-fills what resize adds
+        want = o.copy()
+
+
+def test_a_limit_beyond_memory_means_no_limit(limit):
+    gdn_ext.set_cache_limit(1 << 200)
+    assert gdn_ext.set_cache_limit(limit) == sys.maxsize
+
+
 def test_limit_zero_keeps_nothing_and_results_stay(limit):
     x = _inputs(2, **SHAPE)
     want = _run(x, num_threads=1)[0]
