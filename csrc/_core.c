@@ -1017,6 +1017,11 @@ static PyObject *py_cache_enter(PyObject *self, PyObject *noargs)
     return PyDataMem_SetHandler(cache_handler);
 }
 
+static PyObject *py_cache_current(PyObject *self, PyObject *noargs)
+{
+    return PyDataMem_GetHandler();
+}
+
 static PyObject *py_cache_exit(PyObject *self, PyObject *previous)
 {
     PyObject *mine = PyDataMem_SetHandler(previous == Py_None ? NULL : previous);
@@ -1129,7 +1134,10 @@ static PyMethodDef methods[] = {
     {"_cache_enter", py_cache_enter, METH_NOARGS,
      "_cache_enter() -> previous: NumPy arrays made on this context from now on use gdn_ext's\n"
      "block cache; pass the result to _cache_exit to put the previous allocator back."},
-    {"_cache_exit", py_cache_exit, METH_O, "_cache_exit(previous): undoes _cache_enter."},
+    {"_cache_current", py_cache_current, METH_NOARGS,
+     "_cache_current() -> the NumPy allocator arrays made on this context now get."},
+    {"_cache_exit", py_cache_exit, METH_O,
+     "_cache_exit(previous): makes `previous` (from _cache_current) the allocator again."},
     {"_empty_cache", py_empty_cache, METH_NOARGS,
      "_empty_cache() -> bytes: frees every block the cache keeps."},
     {"_set_cache_limit", py_set_cache_limit, METH_O,

@@ -23,8 +23,9 @@ def uses_block_cache(fn: F) -> F:
     interface, NEP 49; arrays remember their allocator, so they may outlive the call)."""
     @functools.wraps(fn)
     def with_block_cache(*args: Any, **kwargs: Any) -> Any:
-        previous = _core._cache_enter()
-        try:
+        previous = _core._cache_current()
+        try:   # entered inside the try: an exception from a signal handler still restores it
+            _core._cache_enter()
             return fn(*args, **kwargs)
         finally:
             _core._cache_exit(previous)
@@ -35,30 +36,46 @@ def empty_cache() -> int:
     """Give every block the cache keeps back to the system allocator (as torch.cuda.empty_cache
     does for its cache). Arrays still in use are not touched.
 
-    Returns:
-        int: the bytes freed.
+    Returns
+    -------
+    int
+        The bytes freed.
     """
     return int(_core._empty_cache())
 
 
 def memory_reserved() -> int:
-    """Bytes the cache keeps for reuse now: freed arrays' and workspace blocks, not in use."""
+    """Bytes the cache keeps for reuse now: blocks of freed arrays and workspace, not in use.
+
+    Returns
+    -------
+    int
+        Bytes, >= 0.
+    """
     return int(_core._cache_stats()[0])
 
 
 def set_cache_limit(nbytes: int) -> int:
     """Set the most bytes the cache keeps (default 2 GiB); 0 keeps none, so that every block
-    goes back to the system allocator when it is freed. Blocks over the new limit are freed now.
+    goes back to the system allocator when it is freed. A limit below what the cache keeps now
+    frees every kept block at once; one beyond the address space means no limit.
 
-    Args:
-        nbytes (int): the limit, in bytes, >= 0.
+    Parameters
+    ----------
+    nbytes : int
+        The limit, in bytes, >= 0.
 
-    Returns:
-        int: the previous limit.
+    Returns
+    -------
+    int
+        The previous limit, in bytes.
 
-    Raises:
-        TypeError: ``nbytes`` is not an integer.
-        ValueError: ``nbytes`` is negative.
+    Raises
+    ------
+    TypeError
+        ``nbytes`` is not an integer (a bool is not one here).
+    ValueError
+        ``nbytes`` is negative.
     """
     if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
         raise TypeError(f"set_cache_limit: nbytes must be an integer (bytes), got "

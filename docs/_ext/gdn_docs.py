@@ -29,6 +29,7 @@ PAGES = {
         ("The gated delta rule", lambda n, o: _from("gdn_ext.recurrence")(n, o)
          and not _is_result(n, o)),
         ("Threads", _from("gdn_ext._threads")),
+        ("Memory: the block cache", _from("gdn_ext._cache")),
         ("The layer", lambda n, o: _from("gdn_ext.layer")(n, o) and not _is_result(n, o)),
         ("Results", _is_result),
     ]),
