@@ -8,8 +8,11 @@ library's functions return, and the workspace of its kernels, come from blocks t
 freed, up to a limit.
 """
 import functools
+import operator
 import sys
 from typing import Any, Callable, TypeVar
+
+import numpy as np
 
 from ._native import _core
 
@@ -77,10 +80,13 @@ def set_cache_limit(nbytes: int) -> int:
     ValueError
         ``nbytes`` is negative.
     """
-    if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+    try:
+        if isinstance(nbytes, (bool, np.bool_)):
+            raise TypeError
+        nbytes = operator.index(nbytes)
+    except TypeError:
         raise TypeError(f"set_cache_limit: nbytes must be an integer (bytes), got "
-                        f"{type(nbytes).__name__}")
-    nbytes = nbytes.__index__()
+                        f"{type(nbytes).__name__}") from None
     if nbytes < 0:
         raise ValueError(f"set_cache_limit: nbytes must be >= 0, got {nbytes}")
     return int(_core._set_cache_limit(min(nbytes, sys.maxsize)))   # more than memory: no limit

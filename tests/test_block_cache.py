@@ -4,7 +4,6 @@ A block handed out twice at once, a stale block passed off as zeros, or a lock l
 forked child would all be silent wrong answers or hangs; each test below fails on such a cache."""
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -15,6 +14,7 @@ import pytest
 import gdn_ext
 from gdn_ext import _core
 from gdn_ext._cache import uses_block_cache
+from helpers import run_python
 
 # NumPy 2 moved it (np.core warns there); the function itself is NEP 49's
 handler_name = getattr(np, "_core", getattr(np, "core", None)).multiarray.get_handler_name
@@ -132,11 +132,14 @@ class _Interrupt(BaseException):
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="setitimer")
 def test_an_exception_from_a_signal_handler_never_leaves_the_cache_on():
-    """A signal handler raising at any point of a call (here every 0.13 ms, through 3 s of decode
-    steps, tens of thousands of them interrupted) leaves the thread with NumPy's own allocator.
-    With the cache switched on before its try block, the first leak came within 0.4-0.7 s."""
-    x = np.full((1, 8), 8 ** -0.5, np.float32)      # unit keys
-    gdn_ext.gated_delta_rule_step(x, x, x, beta=0.5, g=-0.1)
+    """A signal handler raising at any point of a call under the cache's decorator (here every
+    0.13 ms, for 2 s of calls of an empty function, where the switching is most of the time)
+    leaves the thread with NumPy's own allocator. With the cache switched on before the
+    decorator's try block, it stayed on within the first 2 300 calls on 5 runs of 5.
+    (Not decode steps here: an exception raised inside np.errstate's __enter__ leaves that
+    errstate set, a NumPy matter that would upset the floating-point tests that follow.)"""
+    fn = uses_block_cache(lambda: None)
+    fn()
     inside = [False]
 
     def handler(*_):
@@ -147,12 +150,12 @@ def test_an_exception_from_a_signal_handler_never_leaves_the_cache_on():
     signal.setitimer(signal.ITIMER_REAL, 0.001, 0.00013)
     leaked, calls, t0 = False, 0, time.monotonic()
     try:
-        while not leaked and time.monotonic() - t0 < 5.0:
+        while not leaked and time.monotonic() - t0 < 2.0:
             calls += 1
             try:
                 inside[0] = True
                 try:
-                    gdn_ext.gated_delta_rule_step(x, x, x, beta=0.5, g=-0.1)
+                    fn()
                 except _Interrupt:
                     pass
                 inside[0] = False
@@ -166,8 +169,10 @@ def test_an_exception_from_a_signal_handler_never_leaves_the_cache_on():
     assert calls > 1000
 
 
-@pytest.mark.parametrize("bad, error", [(-1, ValueError), (1.5, TypeError), ("1", TypeError),
-                                        (True, TypeError), (None, TypeError)])
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), (np.int64(-1), ValueError),
+                                        (1.5, TypeError), ("1", TypeError), (True, TypeError),
+                                        (np.bool_(True), TypeError), (None, TypeError),
+                                        (np.array([5]), TypeError)])
 def test_set_cache_limit_rejects_bad_limits(bad, error, limit):
     with pytest.raises(error, match="nbytes"):
         gdn_ext.set_cache_limit(bad)
@@ -252,7 +257,7 @@ stop = True
 for t in threads: t.join()
 sys.exit(bad)
 """
-    r = subprocess.run([sys.executable, "-c", code], timeout=240, capture_output=True, text=True)
+    r = run_python(code, timeout=240)
     assert r.returncode == 0, r.stderr
 
 
