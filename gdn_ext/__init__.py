@@ -28,7 +28,8 @@ __all__ = [   # written out (not computed from _LIBRARY), so that type checkers 
     "layer", "ufuncs", "GatedDeltaNetParams", "gated_deltanet_forward", "gated_deltanet_backward",
     "gated_deltanet_step", "rmsnorm", "l2norm", "gated_delta_rule", "gated_delta_rule_backward",
     "gated_delta_rule_step", "openmp_enabled", "checkpoint_interval", "checkpoint_count",
-    "threads", "empty_cache", "memory_reserved", "set_cache_limit", "GatedDeltaRuleOutput", "GatedDeltaRuleOutputWithCheckpoints",
+    "threads", "empty_cache", "memory_reserved", "set_cache_limit", "GatedDeltaRuleOutput",
+    "GatedDeltaRuleOutputWithCheckpoints",
     "GatedDeltaRuleGrads", "GatedDeltaRuleGradsG", "StepResult", "LayerStepResult", "LayerGrads",
     "LayerCache", "ChunkIntermediates", "reference", "__version__"]
 
