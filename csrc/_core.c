@@ -1083,6 +1083,45 @@ static PyObject *py_cache_churn(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(bad);
 }
 
+/* x as a C-contiguous, aligned float32 / float64 array (1: float64, 0: float32); -1: not one. */
+static int screen_kind(PyObject *x)
+{
+    if (!PyArray_Check(x)) return -1;
+    PyArrayObject *a = (PyArrayObject *)x;
+    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) || PyArray_ISBYTESWAPPED(a)) return -1;
+    if (PyArray_TYPE(a) == NPY_DOUBLE) return 1;
+    if (PyArray_TYPE(a) == NPY_FLOAT) return 0;
+    return -1;
+}
+
+static void screen_range(PyObject *x, int kind, double *lo, double *hi)
+{
+    PyArrayObject *a = (PyArrayObject *)x;
+    if (kind) gdn_range_f64((const double *)PyArray_DATA(a), PyArray_SIZE(a), lo, hi);
+    else gdn_range_f32((const float *)PyArray_DATA(a), PyArray_SIZE(a), lo, hi);
+}
+
+/* _value_screen(beta, gate, k or None): the value checks' numbers in one pass, or None when an
+ * argument is not a C-contiguous float32 / float64 array (the caller computes them with NumPy) */
+static PyObject *py_value_screen(PyObject *self, PyObject *args)
+{
+    PyObject *beta, *gate, *k;
+    if (!PyArg_ParseTuple(args, "OOO", &beta, &gate, &k)) return NULL;
+    const int kb = screen_kind(beta), kg = screen_kind(gate), kk = k == Py_None ? 0 : screen_kind(k);
+    if (kb < 0 || kg < 0 || kk < 0) Py_RETURN_NONE;
+    double blo, bhi, glo, ghi;
+    screen_range(beta, kb, &blo, &bhi);
+    screen_range(gate, kg, &glo, &ghi);
+    if (k == Py_None) return Py_BuildValue("(ddddO)", blo, bhi, glo, ghi, Py_None);
+    PyArrayObject *a = (PyArrayObject *)k;
+    const int nd = PyArray_NDIM(a);
+    const ptrdiff_t d = nd > 0 ? (ptrdiff_t)PyArray_DIM(a, nd - 1) : 1;
+    const ptrdiff_t m = d > 0 ? (ptrdiff_t)PyArray_SIZE(a) / d : 0;
+    const double ks = kk ? gdn_row_sumsq_max_f64((const double *)PyArray_DATA(a), m, d)
+                         : gdn_row_sumsq_max_f32((const float *)PyArray_DATA(a), m, d);
+    return Py_BuildValue("(ddddd)", blo, bhi, glo, ghi, ks);
+}
+
 static PyObject *py_cache_stats(PyObject *self, PyObject *noargs)
 {
     size_t cached, limit;
@@ -1144,6 +1183,10 @@ static PyMethodDef methods[] = {
      "_set_cache_limit(nbytes) -> previous limit: the most bytes the cache keeps (0: none)."},
     {"_cache_churn", py_cache_churn, METH_VARARGS,
      "_cache_churn(n, bytes, tag) -> rounds that found another caller's writes (tests only)."},
+    {"_value_screen", py_value_screen, METH_VARARGS,
+     "_value_screen(beta, gate, k or None) -> (min, max of beta, min, max of gate, the largest\n"
+     "||row||^2 of k over its last axis, or None), NaN ignored (NaN where all are), or None when\n"
+     "an argument is not a C-contiguous float32 / float64 array."},
     {"_cache_stats", py_cache_stats, METH_NOARGS,
      "_cache_stats() -> (cached bytes, limit)."},
     {NULL, NULL, 0, NULL}};

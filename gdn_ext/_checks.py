@@ -248,6 +248,26 @@ def _range(x):
     return _reduced(np.fmin, x), _reduced(np.fmax, x)
 
 
+def _screen(beta, gate, k):
+    """value_messages' numbers for small float32 / float64 arrays (a decoding step's) in one
+    compiled pass: (min, max of beta, min, max of the gate, the largest ||k_t||^2 or None), or
+    None (then NumPy computes them; large arrays by pieces, so that Ctrl-C stops them)."""
+    for a in (beta, gate) if k is None else (beta, gate, k):
+        if type(a) is not np.ndarray or not 0 < a.size <= PIECE:
+            return None
+    from . import _native
+    if _native.CORE_ERROR is not None:   # gdn_ext.reference without the compiled module
+        return None
+    return _native._core._value_screen(beta, gate, k)
+
+
+# relative differences between two sums of Dk squares (the screen's, in double, and NumPy's, in
+# the array's dtype) stay below (Dk + 1) eps: a screen 4 (Dk + 1) eps below 2 never skips a step
+# that NumPy's sums would put above it
+_EPS = {np.dtype(np.float32): float(np.finfo(np.float32).eps),
+        np.dtype(np.float64): float(np.finfo(np.float64).eps)}
+
+
 def head_first_message(shape, name="q", dims=("B", "T", "H", "Dk")):
     """The layout warning for q of ``shape`` [B, T, H, D] with 1 < T < H, else None: arrays
     [B, H, T, D] (head-first) read as [B, T, H, D] show a short T and many heads. Decoding
@@ -277,11 +297,13 @@ def value_messages(beta, gate, k=None, *, log_gate, gate_name=None, delta_rule=T
     per key channel); alpha, or g = log alpha when ``log_gate``. Shapes that do not match are
     skipped here (the kernels' checks name them). ``where`` follows the argument's name in each
     message (gdn_ext.dask: " in a dask chunk"). Cost: a few passes over beta, the gate and k,
-    small next to the recurrence's 7 Dk Dv flops per token and head."""
+    small next to the recurrence's 7 Dk Dv flops per token and head; small float arrays (a
+    decoding step's) in one compiled pass (_screen), NumPy's passes only near a threshold."""
     gate_name = gate_name or ("g" if log_gate else "alpha")
     msgs = []
+    screen = _screen(beta, gate, k if delta_rule and not normalize_qk else None)
     with np.errstate(invalid="ignore", over="ignore"):
-        r = _range(gate)
+        r = _range(gate) if screen is None else screen[2:4]
         if r is not None and not log_gate and (r[0] < 0 or r[1] > 1):
             msgs.append(f"{gate_name} has values outside [0, 1]{where} (min {r[0]:.3g}, max "
                         f"{r[1]:.3g}): it is the fraction of the state kept per step; for a "
@@ -292,21 +314,22 @@ def value_messages(beta, gate, k=None, *, log_gate, gate_name=None, delta_rule=T
                         f"grow" + OFF)
         if not delta_rule:      # linear attention's write beta v k^T: any beta is a scale
             return msgs
-        r = _range(beta)
+        r = _range(beta) if screen is None else screen[0:2]
         if r is not None and (r[0] < 0 or r[1] > 2):
             msgs.append(f"beta has values outside [0, 2]{where} (min {r[0]:.3g}, max "
                         f"{r[1]:.3g}): the delta rule's write strength; the state stays bounded "
                         f"for beta ||k||^2 in [0, 2], i.e. beta in [0, 2] for unit-norm keys" + OFF)
         if k is not None and not normalize_qk:
             m = _key_norm_message(np.asarray(beta), np.asarray(gate), np.asarray(k), log_gate,
-                                  where)
+                                  where, screen)
             if m:
                 msgs.append(m)
     return msgs
 
 
-def _key_norm_message(beta, gate, k, log_gate, where):
-    """value_messages' beta ||k||^2 warning, or None."""
+def _key_norm_message(beta, gate, k, log_gate, where, screen=None):
+    """value_messages' beta ||k||^2 warning, or None; ``screen``: _screen's numbers, which settle
+    the usual case (no step near beta ||k||^2 = 2) without NumPy's passes."""
     if k.ndim != 4 or k.size == 0:
         return None
     B, T, H, Dk = k.shape
@@ -320,6 +343,9 @@ def _key_norm_message(beta, gate, k, log_gate, where):
     else:
         return None
     beta = beta.reshape(B, T, H, G)
+    if screen is not None and screen[4] is not None and k.dtype in _EPS:
+        if not screen[1] * screen[4] > 2 * (1 - 4 * (Dk + 1) * _EPS[k.dtype]):
+            return None                                       # the usual case: done
     parts = lead_pieces((B, T, H), Dk * G)                    # over tokens and heads
     dt = k.dtype if k.dtype in _FLOATS else np.float64       # float16 squares overflow early
     if len(parts) == 1:                                       # ||k||^2 per token and head

@@ -497,3 +497,52 @@ def test_dask_ordinary_inputs_are_silent():
                                     normalize_qk=True)
     assert np.allclose(o2, want[0], rtol=1e-12, atol=1e-12)
     assert len(g) == 6 and all(np.all(np.isfinite(a)) for a in g)
+
+
+def test_the_compiled_screen_gives_the_numpy_checks_messages():
+    """Small float32 / float64 arrays (a decoding step's) are screened in one compiled pass:
+    every message is the one NumPy's passes give, for values around every threshold (beta and
+    beta ||k||^2 at 2, alpha at 0 and 1, g at 0), NaN, inf, signed zeros, empty-free shapes,
+    grouped heads and per-key gates. 400 random cases (a wrong range, a NaN let through or a
+    screen that skipped a step NumPy puts above 2 shows as a different message)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from gdn_ext import _checks
+
+    special = [0.0, -0.0, 1.0, 2.0, 1e-30, np.nan, np.inf, -np.inf, -1e-7, 1 + 1e-7, 2 + 1e-6,
+               2 - 1e-6]
+
+    @st.composite
+    def cases(draw):
+        dt = draw(st.sampled_from([np.float32, np.float64]))
+        Bn, Tn, Hn, G, Dk = (draw(st.integers(1, n)) for n in (2, 3, 3, 2, 6))
+        per_key = draw(st.booleans())
+        log_gate = draw(st.booleans())
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        k = rng.standard_normal((Bn, Tn, Hn, Dk))
+        if draw(st.booleans()):   # unit keys, whose beta ||k||^2 sits at beta, 2 included
+            k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        beta = rng.uniform(0, 2.2, (Bn, Tn, Hn * G))
+        gate = rng.uniform(-0.1, 1.05, (Bn, Tn, Hn * G) + ((Dk,) if per_key else ()))
+        for a in (k, beta, gate):   # some elements at the thresholds and the special values
+            flat = a.reshape(-1)
+            for i in draw(st.lists(st.integers(0, flat.size - 1), max_size=3)):
+                flat[i] = draw(st.sampled_from(special))
+        return [x.astype(dt) for x in (beta, gate, k)] + [log_gate, draw(st.booleans())]
+
+    @settings(max_examples=400, deadline=None, derandomize=True)
+    @given(cases())
+    def check(case):
+        beta, gate, k, log_gate, normalize = case
+        kw = dict(log_gate=log_gate, normalize_qk=normalize)
+        assert _checks._screen(beta, gate, k) is not None     # the compiled path ran
+        fast = _checks.value_messages(beta, gate, k, **kw)
+        screen, _checks._screen = _checks._screen, lambda *a: None
+        try:
+            slow = _checks.value_messages(beta, gate, k, **kw)
+        finally:
+            _checks._screen = screen
+        assert fast == slow
+    check()
