@@ -251,7 +251,8 @@ def _range(x):
 def _screen(beta, gate, k):
     """value_messages' numbers for small float32 / float64 arrays (a decoding step's) in one
     compiled pass: (min, max of beta, min, max of the gate, the largest ||k_t||^2 or None), or
-    None (then NumPy computes them; large arrays by pieces, so that Ctrl-C stops them)."""
+    None (then NumPy computes them; large arrays by pieces, so that Ctrl-C stops them). A zero
+    min or max is taken from NumPy (whose -0 or 0 the message prints)."""
     for a in (beta, gate) if k is None else (beta, gate, k):
         if type(a) is not np.ndarray or not 0 < a.size <= PIECE:
             return None
@@ -261,11 +262,22 @@ def _screen(beta, gate, k):
     return _native._core._value_screen(beta, gate, k)
 
 
-# relative differences between two sums of Dk squares (the screen's, in double, and NumPy's, in
-# the array's dtype) stay below (Dk + 1) eps: a screen 4 (Dk + 1) eps below 2 never skips a step
-# that NumPy's sums would put above it
-_EPS = {np.dtype(np.float32): float(np.finfo(np.float32).eps),
-        np.dtype(np.float64): float(np.finfo(np.float64).eps)}
+# A sum of Dk squares in k's dtype (NumPy's) and in double (the screen's) differ by at most
+# (Dk + 1) eps relative, plus (Dk + 1) of the dtype's smallest subnormal where squares underflow,
+# unless the dtype's sum overflows: the screen settles a step only inside those bounds, with a
+# margin of 4, and leaves every other (and every one near 2) to NumPy's own sums.
+_FLOAT = {np.dtype(t): (float(np.finfo(t).eps), float(np.finfo(t).smallest_subnormal),
+                        float(np.finfo(t).max)) for t in (np.float32, np.float64)}
+
+
+def _below_two(beta_max, kk_max, k):
+    """Whether beta ||k||^2 stays at most 2 for every step, however k's dtype sums ||k||^2:
+    from the screen's beta_max and kk_max (a double sum); False when it cannot tell."""
+    eps, tiny, big = _FLOAT[k.dtype]
+    slack = 4 * (k.shape[-1] + 1)
+    if not kk_max <= big * (1 - slack * eps):   # the dtype's sum may overflow (or NaN)
+        return False
+    return not beta_max * (kk_max * (1 + slack * eps) + slack * tiny) > 2
 
 
 def head_first_message(shape, name="q", dims=("B", "T", "H", "Dk")):
@@ -303,7 +315,7 @@ def value_messages(beta, gate, k=None, *, log_gate, gate_name=None, delta_rule=T
     msgs = []
     screen = _screen(beta, gate, k if delta_rule and not normalize_qk else None)
     with np.errstate(invalid="ignore", over="ignore"):
-        r = _range(gate) if screen is None else screen[2:4]
+        r = _range(gate) if screen is None or 0 in screen[2:4] else screen[2:4]
         if r is not None and not log_gate and (r[0] < 0 or r[1] > 1):
             msgs.append(f"{gate_name} has values outside [0, 1]{where} (min {r[0]:.3g}, max "
                         f"{r[1]:.3g}): it is the fraction of the state kept per step; for a "
@@ -314,7 +326,7 @@ def value_messages(beta, gate, k=None, *, log_gate, gate_name=None, delta_rule=T
                         f"grow" + OFF)
         if not delta_rule:      # linear attention's write beta v k^T: any beta is a scale
             return msgs
-        r = _range(beta) if screen is None else screen[0:2]
+        r = _range(beta) if screen is None or 0 in screen[0:2] else screen[0:2]
         if r is not None and (r[0] < 0 or r[1] > 2):
             msgs.append(f"beta has values outside [0, 2]{where} (min {r[0]:.3g}, max "
                         f"{r[1]:.3g}): the delta rule's write strength; the state stays bounded "
@@ -343,8 +355,8 @@ def _key_norm_message(beta, gate, k, log_gate, where, screen=None):
     else:
         return None
     beta = beta.reshape(B, T, H, G)
-    if screen is not None and screen[4] is not None and k.dtype in _EPS:
-        if not screen[1] * screen[4] > 2 * (1 - 4 * (Dk + 1) * _EPS[k.dtype]):
+    if screen is not None and screen[4] is not None and k.dtype in _FLOAT:
+        if _below_two(screen[1], screen[4], k):
             return None                                       # the usual case: done
     parts = lead_pieces((B, T, H), Dk * G)                    # over tokens and heads
     dt = k.dtype if k.dtype in _FLOATS else np.float64       # float16 squares overflow early
