@@ -324,15 +324,6 @@ size_t gdn_chunk_fwd_workspace_len(const gdn_sizes *sz);
 #define GDN_CHUNK_TEAM_MIN 8   /* 16-core Xeon: one pair on 16 threads 1.3 x faster than one thread;
                                 * 4 pairs on 16, 2.1 x slower than one thread per pair */
 int gdn_chunk_bwd_team(const gdn_sizes *sz, int nt);
-
-/* The value checks' screen (gdn_ext._checks.value_messages): lo, hi <- the least and the largest
- * of x [n] ignoring NaN (both NaN when every element is, or n = 0), as NumPy's fmin / fmax
- * reduce; and the largest sum of squares of a row of x [m, d] (row-major), rows whose sum is NaN
- * ignored, summed in double (exact squares; NaN when every row's is). */
-void gdn_range_f64(const double *x, ptrdiff_t n, double *lo, double *hi);
-void gdn_range_f32(const float *x, ptrdiff_t n, double *lo, double *hi);
-double gdn_row_sumsq_max_f64(const double *x, ptrdiff_t m, ptrdiff_t d);
-double gdn_row_sumsq_max_f32(const float *x, ptrdiff_t m, ptrdiff_t d);
 size_t gdn_chunk_bwd_workspace_len(const gdn_sizes *sz, int team);
 ptrdiff_t gdn_chunk_bwd_items(const gdn_sizes *sz);   /* work items: pairs times chunks */
 
@@ -345,5 +336,14 @@ double gdn_fma_peak(int use_double, int num_threads, double seconds);
  * `seconds`; -1 without memory. Beside gdn_fma_peak: how close the inner loops come to it. */
 double gdn_mm_rate(int use_double, ptrdiff_t m, ptrdiff_t n, ptrdiff_t kd, double seconds);
 double gdn_now(void);   /* seconds, wall clock */
+
+/* The value checks' screen (gdn_ext._checks.value_messages): lo, hi <- the least and the largest
+ * of x [n] ignoring NaN (both NaN when every element is, or n = 0), as NumPy's fmin / fmax
+ * reduce; and the largest sum of squares of a row of x [m, d] (row-major), rows whose sum is NaN
+ * ignored, summed in double (exact squares; NaN when every row's is). */
+void gdn_range_f64(const double *x, ptrdiff_t n, double *lo, double *hi);
+void gdn_range_f32(const float *x, ptrdiff_t n, double *lo, double *hi);
+double gdn_row_sumsq_max_f64(const double *x, ptrdiff_t m, ptrdiff_t d);
+double gdn_row_sumsq_max_f32(const float *x, ptrdiff_t m, ptrdiff_t d);
 
 #endif /* GDN_H */

@@ -455,39 +455,6 @@ int gdn_chunk_bwd_team(const gdn_sizes *sz, int nt)
     return parallel && sz->N * sz->NS * GDN_CHUNK_TEAM_MIN <= nt;
 }
 
-/* ---- the value checks' screen (gdn.h) ----------------------------------------------------- */
-#define GDN_RANGE(NAME, T)                                                                       \
-    void NAME(const T *x, ptrdiff_t n, double *lo, double *hi)                                   \
-    {                                                                                            \
-        double a = 0, b = 0;                                                                     \
-        int seen = 0;                                                                            \
-        for (ptrdiff_t i = 0; i < n; i++) {                                                      \
-            const double v = (double)x[i];                                                       \
-            if (v != v) continue;                                                                \
-            if (!seen || v < a) a = v;                                                           \
-            if (!seen || v > b) b = v;                                                           \
-            seen = 1;                                                                            \
-        }                                                                                        \
-        *lo = seen ? a : (double)NAN;                                                            \
-        *hi = seen ? b : (double)NAN;                                                            \
-    }
-GDN_RANGE(gdn_range_f64, double)
-GDN_RANGE(gdn_range_f32, float)
-
-#define GDN_ROW_SUMSQ_MAX(NAME, T)                                                               \
-    double NAME(const T *x, ptrdiff_t m, ptrdiff_t d)                                            \
-    {                                                                                            \
-        double best = (double)NAN;                                                               \
-        for (ptrdiff_t r = 0; r < m; r++) {                                                      \
-            double s = 0;                                                                        \
-            for (ptrdiff_t j = 0; j < d; j++) s += (double)x[r * d + j] * (double)x[r * d + j];  \
-            if (s == s && !(s <= best)) best = s;   /* NaN rows skipped; best NaN: none yet */   \
-        }                                                                                        \
-        return best;                                                                             \
-    }
-GDN_ROW_SUMSQ_MAX(gdn_row_sumsq_max_f64, double)
-GDN_ROW_SUMSQ_MAX(gdn_row_sumsq_max_f32, float)
-
 ptrdiff_t gdn_chunk_bwd_items(const gdn_sizes *sz)
 {
     const ptrdiff_t NT = sz->chunk > 0 ? (sz->max_len + sz->chunk - 1) / sz->chunk : 0;
@@ -578,6 +545,39 @@ double gdn_mm_rate(int use_double, ptrdiff_t m, ptrdiff_t n, ptrdiff_t kd, doubl
     free(block);
     return sink == 12345.678 ? -best : best;   /* sink is live; never equal in practice */
 }
+
+/* ---- the value checks' screen (gdn.h) ----------------------------------------------------- */
+#define GDN_RANGE(NAME, T)                                                                       \
+    void NAME(const T *x, ptrdiff_t n, double *lo, double *hi)                                   \
+    {                                                                                            \
+        double a = 0, b = 0;                                                                     \
+        int seen = 0;                                                                            \
+        for (ptrdiff_t i = 0; i < n; i++) {                                                      \
+            const double v = (double)x[i];                                                       \
+            if (v != v) continue;                                                                \
+            if (!seen || v < a) a = v;                                                           \
+            if (!seen || v > b) b = v;                                                           \
+            seen = 1;                                                                            \
+        }                                                                                        \
+        *lo = seen ? a : (double)NAN;                                                            \
+        *hi = seen ? b : (double)NAN;                                                            \
+    }
+GDN_RANGE(gdn_range_f64, double)
+GDN_RANGE(gdn_range_f32, float)
+
+#define GDN_ROW_SUMSQ_MAX(NAME, T)                                                               \
+    double NAME(const T *x, ptrdiff_t m, ptrdiff_t d)                                            \
+    {                                                                                            \
+        double best = (double)NAN;                                                               \
+        for (ptrdiff_t r = 0; r < m; r++) {                                                      \
+            double s = 0;                                                                        \
+            for (ptrdiff_t j = 0; j < d; j++) s += (double)x[r * d + j] * (double)x[r * d + j];  \
+            if (s == s && !(s <= best)) best = s;   /* NaN rows skipped; best NaN: none yet */   \
+        }                                                                                        \
+        return best;                                                                             \
+    }
+GDN_ROW_SUMSQ_MAX(gdn_row_sumsq_max_f64, double)
+GDN_ROW_SUMSQ_MAX(gdn_row_sumsq_max_f32, float)
 
 /* ---- the portable instance ---------------------------------------------------------------- */
 #define GDN_VEC_BYTES 16   /* one vector register */
